@@ -1,0 +1,123 @@
+"""One chunk of the model as an nn.Module computing the seed's local loss (Eqs. 2-5).
+
+forward(x, attention_mask, position_ids, loss_index, loss_target, loss_weight)
+  x: input_ids [B,S] (first chunk, which owns the embedding) or h_{k-1} [B,S,d]
+  loss_index/target/weight [N]: flat (b*S+i) positions of Omega, their targets, 1/0 weights
+returns (loss, task_loss, consis_loss, h_k) with h_k detached.
+The readout (frozen final norm + lm_head) runs only on the N gathered rows."""
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ExportConfig
+from .marker import pipeline_marker
+
+
+def add_lora(model, cfg: ExportConfig):
+    """Wrap the full HF model with peft LoRA (so parameter names match what peft saves)."""
+    from peft import LoraConfig, get_peft_model
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(cfg.seed)
+    peft_model = get_peft_model(model, lora_config(cfg))
+    return peft_model
+
+
+def lora_config(cfg: ExportConfig):
+    from peft import LoraConfig
+
+    return LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                      target_modules=list(cfg.target_modules), bias="none")
+
+
+_LOCAL = re.compile(r"^layers\.(\d+)\.(.*)\.(lora_[AB])\.default\.weight$")
+
+
+def peft_name(local_name: str, first_layer: int) -> str:
+    """layers.J.self_attn.q_proj.lora_A.default.weight (chunk-local) -> the key peft writes in
+    adapter_model.safetensors for the full model."""
+    m = _LOCAL.match(local_name)
+    if not m:
+        raise ValueError(f"not a LoRA parameter name: {local_name}")
+    j, mod, ab = m.groups()
+    return f"base_model.model.model.layers.{first_layer + int(j)}.{mod}.{ab}.weight"
+
+
+class ChunkModel(nn.Module):
+    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig):
+        super().__init__()
+        base = peft_model.base_model.model  # LlamaForCausalLM with LoRA layers injected
+        self.first, self.last = first, last
+        self.is_first = first == 0
+        self.embed = base.model.embed_tokens if self.is_first else None
+        self.layers = nn.ModuleList(base.model.layers[first:last + 1])
+        self.rotary = base.model.rotary_emb
+        self.norm = base.model.norm
+        self.lm_head = base.lm_head
+        self.alpha = cfg.alpha
+        S = cfg.seq_len
+        self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)
+
+    def lora_parameters(self) -> dict[str, nn.Parameter]:
+        """Chunk-local name -> parameter, in a fixed order."""
+        return {n: p for n, p in self.named_parameters() if "lora_" in n}
+
+    def readout(self, rows):
+        return self.lm_head(self.norm(rows))
+
+    def run_layers(self, h, attention_mask, position_ids):
+        allowed = self.causal[None, None] & (attention_mask[:, None, None, :] > 0)
+        mask = torch.where(allowed, 0.0, torch.finfo(h.dtype).min)
+        pos = self.rotary(h, position_ids)
+        for layer in self.layers:
+            h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos)
+        return h
+
+    def local_loss(self, h_in, h, loss_index, loss_target, loss_weight):
+        d = h.shape[-1]
+        z = self.readout(h.reshape(-1, d).index_select(0, loss_index))  # [N, V]
+        logp = F.log_softmax(z, dim=-1)
+        with torch.no_grad():  # stop-gradient target p_{k-1}, recomputed here from h_{k-1}
+            logq = F.log_softmax(self.readout(h_in.reshape(-1, d).index_select(0, loss_index)), dim=-1)
+        denom = loss_weight.sum().clamp(min=1.0)
+        nll = -logp.gather(1, loss_target.unsqueeze(1)).squeeze(1)
+        task = (nll * loss_weight).sum() / denom
+        kl = (logp.exp() * (logp - logq)).sum(-1)
+        consis = (kl * loss_weight).sum() / denom
+        return self.alpha * task + (1.0 - self.alpha) * consis, task, consis
+
+    def forward(self, x, attention_mask, position_ids, loss_index, loss_target, loss_weight):
+        h_in = self.embed(x) if self.is_first else x
+        h = self.run_layers(h_in, attention_mask, position_ids)
+        h = pipeline_marker(h)  # phase boundary: everything before it is phase 1
+        loss, task, consis = self.local_loss(h_in, h, loss_index, loss_target, loss_weight)
+        return loss, task.detach(), consis.detach(), h.detach()
+
+
+def input_names(is_first: bool) -> list[str]:
+    return ["input_ids" if is_first else "h_in", "attention_mask", "position_ids",
+            "loss_index", "loss_target", "loss_weight"]
+
+
+def example_inputs(chunk: ChunkModel, cfg: ExportConfig, vocab: int, hidden: int, seed: int = 0):
+    """A sample micro-batch of the exported shapes (static; the runtime pads to them)."""
+    g = torch.Generator().manual_seed(seed)
+    B, S, N = cfg.micro_batch, cfg.seq_len, cfg.readout_rows
+    x = (torch.randint(0, vocab, (B, S), generator=g) if chunk.is_first
+         else torch.randn(B, S, hidden, generator=g))
+    attn = torch.ones(B, S, dtype=torch.long)
+    attn[-1, S - S // 4:] = 0  # some right padding
+    pos = torch.arange(S).repeat(B, 1)
+    n_valid = max(1, min(N, B * S // 2))
+    idx = torch.zeros(N, dtype=torch.long)
+    idx[:n_valid] = torch.randperm(B * S, generator=g)[:n_valid].sort().values
+    tgt = torch.zeros(N, dtype=torch.long)
+    tgt[:n_valid] = torch.randint(0, vocab, (n_valid,), generator=g)
+    w = torch.zeros(N)
+    w[:n_valid] = 1.0
+    return (x, attn, pos, idx, tgt, w)

@@ -1,0 +1,93 @@
+"""zl-export: compile model chunks into two-phase ExecuTorch training programs."""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from .chunk_spec import DEFAULT_CHUNKS
+from .config import ExportConfig
+from .errors import ExportError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="zl-export", description=__doc__)
+    p.add_argument("--model", default="tiny", help="local Hugging Face Llama directory, or 'tiny' (built-in 22-layer model)")
+    p.add_argument("--chunks", default=DEFAULT_CHUNKS, help="inclusive layer ranges, one per device (default %(default)s)")
+    p.add_argument("--out", required=True, type=Path, help="output directory")
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling (peft lora_alpha; scale = alpha/rank)")
+    p.add_argument("--target-modules", default="q_proj,v_proj")
+    p.add_argument("--alpha", type=float, default=0.5, help="task vs consistency blend of the local loss")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--loss-positions", type=int, default=None,
+                   help="readout rows per micro-batch (valid positions gathered before the lm_head); default all B*S")
+    p.add_argument("--backend", choices=["xnnpack", "portable"], default="xnnpack")
+    p.add_argument("--seed", type=int, default=0, help="LoRA initialisation seed")
+    p.add_argument("--verify", action="store_true", help="run every program in ExecuTorch and compare with eager PyTorch")
+    return p
+
+
+def config_from_args(a) -> ExportConfig:
+    if not 0.0 <= a.alpha <= 1.0:
+        raise ExportError(f"--alpha {a.alpha} is outside [0, 1]: the local loss is alpha*CE + (1-alpha)*KL")
+    for name in ("lora_rank", "seq_len", "micro_batch"):
+        if getattr(a, name) < 1:
+            raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if a.loss_positions is not None and not 1 <= a.loss_positions <= a.micro_batch * a.seq_len:
+        raise ExportError(f"--loss-positions must be in 1..{a.micro_batch * a.seq_len} (micro-batch x seq-len)")
+    return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
+                        target_modules=tuple(m.strip() for m in a.target_modules.split(",") if m.strip()),
+                        alpha=a.alpha, seq_len=a.seq_len, micro_batch=a.micro_batch,
+                        loss_positions=a.loss_positions, backend=a.backend, seed=a.seed)
+
+
+def main(argv=None) -> int:
+    from rich.console import Console
+
+    console = Console(stderr=True, soft_wrap=True)  # one error = one line, never wrapped
+    args = build_parser().parse_args(argv)
+    t0 = time.time()
+    try:
+        cfg = config_from_args(args)
+        from .export import export_model  # heavy imports after argument checks
+
+        def progress(msg):
+            console.print(f"[dim]{time.time() - t0:6.1f}s[/] {msg}")
+
+        manifest, artifacts = export_model(args.model, args.chunks, args.out, cfg, progress=progress)
+        for c in manifest["chunks"]:
+            sizes = {f["path"]: f["size"] for f in manifest["files"]}
+            progress(f"chunk {c['index']} (layers {c['layers'][0]}-{c['layers'][1]}): {c['program']} "
+                     f"{sizes[c['program']] / 2**20:.1f} MiB, {c['weights']} {sizes[c['weights']] / 2**20:.1f} MiB, "
+                     f"saved activations {c['saved_activation_bytes'] / 2**20:.1f} MiB")
+        if args.verify:
+            from .verify import verify_all
+
+            verify_all(args.out, artifacts, cfg, _hf_config(artifacts), report=progress)
+            progress("[green]verify: every chunk matches eager PyTorch within tolerance[/]")
+        console.print(f"wrote {args.out} ({len(manifest['chunks'])} chunks) in {time.time() - t0:.1f} s")
+        return 0
+    except ExportError as e:
+        console.print(f"zl-export: error: {e}", style="red", markup=False)
+        return 2
+    except Exception as e:
+        from .manifest import ManifestError
+
+        if isinstance(e, ManifestError):
+            console.print(f"zl-export: error: {e}", style="red", markup=False)
+            return 2
+        raise
+
+
+class _hf_config:
+    """vocab and hidden size read off the exported chunks (what verify's sample batch needs)."""
+
+    def __init__(self, artifacts):
+        self.vocab_size, self.hidden_size = artifacts[0].chunk.lm_head.weight.shape
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,35 @@
+"""What an export is asked to do, separate from the model it is applied to (cf. peft's LoraConfig)."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    lora_rank: int = 8
+    lora_alpha: float = 16.0  # peft's lora_alpha; the LoRA scale is lora_alpha / lora_rank
+    target_modules: tuple[str, ...] = ("q_proj", "v_proj")
+    alpha: float = 0.5  # blend of task CE and consistency KL, seed Eq. (3)
+    seq_len: int = 128
+    micro_batch: int = 1
+    # Readout rows per micro-batch: the loss is computed only at valid positions, gathered into
+    # this many slots (padding slots carry weight 0). None means micro_batch * seq_len (all).
+    loss_positions: int | None = None
+    backend: str = "xnnpack"  # or "portable"
+    seed: int = 0  # LoRA initialisation
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def readout_rows(self) -> int:
+        return self.loss_positions or self.micro_batch * self.seq_len
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d["target_modules"] = list(self.target_modules)
+        d["readout_rows"] = self.readout_rows
+        d.pop("extra")
+        return d

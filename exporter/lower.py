@@ -1,0 +1,69 @@
+"""Trace a chunk into the joint training graph and lower the two phases to one .pte + .ptd."""
+from __future__ import annotations
+
+import torch
+from torch.export.experimental import _export_forward_backward
+
+from .chunk_model import ChunkModel
+from .two_phase import SplitResult, strip_markers
+
+
+def joint_program(chunk: ChunkModel, inputs: tuple):
+    """torch.export + joint forward/backward with LoRA parameters as the trainable ones."""
+    ep = torch.export.export(chunk, inputs, strict=False)
+    ep = _export_forward_backward(ep, joint_loss_index=0)
+    _rewrite_empty_permuted(ep.graph_module)
+    return ep
+
+
+def _rewrite_empty_permuted(gm) -> None:
+    """SiLU's backward decomposes into aten.empty_permuted, which is not core ATen and makes
+    to_edge fail; with an identity permutation it is just aten.empty."""
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.empty_permuted.default:
+            size, perm = n.args
+            if list(perm) != list(range(len(perm))):
+                raise RuntimeError(f"unsupported empty_permuted permutation {perm}")
+            with gm.graph.inserting_before(n):
+                new = gm.graph.call_function(torch.ops.aten.empty.memory_format, (size,), dict(n.kwargs))
+            new.meta = dict(n.meta)
+            n.replace_all_uses_with(new)
+            gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
+
+
+def xnnpack_partitioner():
+    # The default XNNPACK partitioner rejects training graphs ("pass through arguments");
+    # restricting it to the GEMM-like configs with non-static f32 weights works and keeps
+    # frozen weights as named constants, so they can still live in the .ptd file.
+    from executorch.backends.xnnpack import XnnpackPartitioner
+    from executorch.backends.xnnpack.partition.config.gemm_configs import AddmmConfig, LinearConfig, MMConfig
+    from executorch.backends.xnnpack.partition.config.generic_node_configs import BMMConfig
+
+    return XnnpackPartitioner(configs=[MMConfig, AddmmConfig, LinearConfig, BMMConfig],
+                              force_non_static_weights_for_f32_linear=True)
+
+
+def lower_two_phase(split: SplitResult, backend: str, data_tag: str):
+    """Return an ExecutorchProgramManager with methods phase1 and phase2; frozen weights are
+    external constants tagged `data_tag` (one .ptd for the chunk's weights + readout)."""
+    from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
+
+    methods = {"phase1": split.phase1.program, "phase2": split.phase2.program}
+    edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
+    if backend == "xnnpack":
+        edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner()], compile_config=edge_cfg)
+    elif backend == "portable":
+        edge = to_edge(methods, compile_config=edge_cfg)
+    else:
+        raise ValueError(f"unknown backend {backend!r}: use xnnpack or portable")
+    return edge.to_executorch(ExecutorchBackendConfig(external_constants=lambda node: data_tag))
+
+
+def lower_joint(ep):
+    """The one-method training program (forward+backward in one call), for comparison."""
+    from executorch.exir import to_edge
+
+    strip_markers(ep.graph_module)
+    return to_edge(ep).to_executorch()

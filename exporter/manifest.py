@@ -1,0 +1,61 @@
+"""manifest.json: everything a device or the host needs to know about an export, and checks."""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+FORMAT = "zerolock-export"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class ManifestError(Exception):
+    """An export directory that is missing, incomplete, or whose files do not match."""
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def file_entry(root: Path, path: Path) -> dict:
+    return {"path": str(path.relative_to(root)), "sha256": sha256_file(path), "size": path.stat().st_size}
+
+
+def tensor_desc(name: str, t) -> dict:
+    return {"name": name, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+
+
+def write_manifest(root: Path, manifest: dict) -> None:
+    (Path(root) / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+
+
+def load_manifest(root: Path, check_files: bool = True) -> dict:
+    """Read and validate an export directory's manifest; with check_files, every listed file
+    must exist with the recorded size and sha256."""
+    root = Path(root)
+    path = root / MANIFEST
+    fix = "run zl-export --out DIR and pass that DIR"
+    if not path.is_file():
+        raise ManifestError(f"{root} has no {MANIFEST}, so it is not a zl-export output: {fix}")
+    try:
+        m = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ManifestError(f"{path} is not valid JSON ({e.msg}, line {e.lineno}): re-export with zl-export") from None
+    if m.get("format") != FORMAT:
+        raise ManifestError(f"{path} is not a ZeroLock export manifest: {fix}")
+    if m.get("format_version") != FORMAT_VERSION:
+        raise ManifestError(f"{path} has format version {m.get('format_version')}, this tool reads "
+                            f"{FORMAT_VERSION}: re-export with this version of zl-export")
+    if check_files:
+        for f in m["files"]:
+            p = root / f["path"]
+            if not p.is_file():
+                raise ManifestError(f"{p} listed in the manifest is missing: re-export, or copy the whole directory")
+            if p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
+                raise ManifestError(f"{p} does not match its sha256 in the manifest (corrupt or changed): re-export it")
+    return m

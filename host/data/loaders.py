@@ -1,0 +1,243 @@
+"""Dataset loaders: AG News CSV, JSONL/JSON, and the built-in synthetic set.
+
+Every loader returns a :class:`LoadedExamples` (a plain ``list`` of example dicts that also
+records where it came from and how many rows were rejected and why). Examples are either
+``{"prompt": str, "completion": str}`` (the completion is the trained answer) or
+``{"text": str}`` (every token is a target). Problems are reported as :class:`DataError`
+with a one-line message naming the file, what was read, and the fix.
+"""
+
+from __future__ import annotations
+
+import csv
+import html
+import json
+import os
+import re
+from collections import Counter
+
+from .synthetic import LABELS, format_completion, format_prompt, synthetic_examples
+
+# Size of the built-in set used when no data file is given.
+DEFAULT_SYNTHETIC_N = 2000
+
+_AG_NAMES = {
+    "world": "world",
+    "sports": "sports",
+    "business": "business",
+    "sci/tech": "science",
+    "scitech": "science",
+    "sci-tech": "science",
+    "science": "science",
+}
+_CSV_FIX = ("expected AG News rows 'class index (1-4), title, description' "
+            "(optionally a header row; a 'text,label' header with labels 0-3 also works)")
+_JSONL_FIX = ('expected one JSON object per line with string fields '
+              '{"prompt": ..., "completion": ...} or {"text": ...}')
+
+
+class DataError(ValueError):
+    """A dataset problem, with a one-line message that says what to fix."""
+
+
+class LoadedExamples(list):
+    """A ``list[dict]`` of examples plus provenance: ``source``, ``n_read``, ``rejected``."""
+
+    def __init__(self, rows=(), *, source: str = "", n_read: int = 0,
+                 rejected: Counter | None = None):
+        super().__init__(rows)
+        self.source = source
+        self.n_read = n_read
+        self.rejected: Counter = rejected if rejected is not None else Counter()
+
+    @property
+    def n_rejected(self) -> int:
+        return sum(self.rejected.values())
+
+
+def _reasons(rejected: Counter) -> str:
+    return "; ".join(f"{n} {why}" for why, n in rejected.most_common()) or "the file is empty"
+
+
+def _no_usable_rows(path: str, n_read: int, rejected: Counter, fix: str) -> DataError:
+    return DataError(f"{path}: no usable rows ({n_read} rows read, rejected: "
+                     f"{_reasons(rejected)}); {fix}")
+
+
+# ---------------------------------------------------------------- AG News CSV
+
+_NUM_ENTITY = re.compile(r"#(\d{1,6});")
+
+
+def clean_ag_text(s: str) -> str:
+    """Undo AG News' escaping: ``\\`` line breaks, ``#39;`` and ``&amp;`` entities, spacing."""
+    s = s.replace("\\n", " ").replace("\\", " ")
+    s = _NUM_ENTITY.sub(lambda m: chr(int(m.group(1))), s)
+    s = html.unescape(s)
+    return " ".join(s.split())
+
+
+def _ag_label(field: str, zero_based: bool) -> str | None:
+    f = field.strip()
+    if f.lstrip("-").isdigit():
+        i = int(f) + (1 if zero_based else 0)
+        return LABELS[i - 1] if 1 <= i <= 4 else None
+    return _AG_NAMES.get(f.lower())
+
+
+def ag_news_example(label: str, title: str, description: str) -> dict:
+    """One AG News row as a prompt/completion example."""
+    title, description = clean_ag_text(title), clean_ag_text(description)
+    if title and description and title[-1] not in ".!?:":
+        title += " ."
+    return {"prompt": format_prompt(f"{title} {description}".strip()),
+            "completion": format_completion(label)}
+
+
+def load_ag_news_csv(path: str) -> LoadedExamples:
+    """AG News CSV: ``class index (1-4), title, description`` rows, header optional.
+
+    Class names (World, Sports, Business, Sci/Tech) are accepted in place of the index, and a
+    ``text,label`` header (the Hugging Face export, labels 0-3) is recognised too.
+    """
+    rejected: Counter = Counter()
+    rows: list[dict] = []
+    n_read = 0
+    with open(path, newline="", encoding="utf-8-sig") as f:
+        reader = csv.reader(f)
+        first = True
+        hf_cols: tuple[int, int] | None = None  # (text column, label column)
+        for record in reader:
+            if not record or all(not c.strip() for c in record):
+                continue
+            if first:
+                first = False
+                head = [c.strip().lower() for c in record]
+                if "text" in head and "label" in head:
+                    hf_cols = (head.index("text"), head.index("label"))
+                    continue
+                f0 = record[0].strip()
+                if not f0.lstrip("-").isdigit() and _ag_label(f0, zero_based=False) is None:
+                    continue  # a header such as "Class Index,Title,Description"
+            n_read += 1
+            if hf_cols is not None:
+                ti, li = hf_cols
+                if len(record) <= max(ti, li):
+                    rejected["rows with too few columns"] += 1
+                    continue
+                label = _ag_label(record[li], zero_based=True)
+                title, description = "", record[ti]
+                bad_label = "rows with a label outside 0-3"
+            else:
+                if len(record) != 3:
+                    rejected[f"rows with {len(record)} columns instead of 3"] += 1
+                    continue
+                label = _ag_label(record[0], zero_based=False)
+                title, description = record[1], record[2]
+                bad_label = "rows with a class outside 1-4"
+            if label is None:
+                rejected[bad_label] += 1
+                continue
+            if not clean_ag_text(title) and not clean_ag_text(description):
+                rejected["rows with empty title and description"] += 1
+                continue
+            rows.append(ag_news_example(label, title, description))
+    if not rows:
+        raise _no_usable_rows(path, n_read, rejected, _CSV_FIX)
+    return LoadedExamples(rows, source=path, n_read=n_read, rejected=rejected)
+
+
+# ---------------------------------------------------------------- JSONL / JSON
+
+def _check_record(obj) -> tuple[dict | None, str]:
+    if not isinstance(obj, dict):
+        return None, "rows that are not JSON objects"
+    if "prompt" in obj or "completion" in obj:
+        p, c = obj.get("prompt"), obj.get("completion")
+        if not isinstance(p, str) or not isinstance(c, str):
+            return None, "rows whose prompt/completion is missing or not a string"
+        if not c.strip():
+            return None, "rows with an empty completion"
+        return {"prompt": p, "completion": c}, ""
+    if "text" in obj:
+        t = obj["text"]
+        if not isinstance(t, str):
+            return None, "rows whose text is not a string"
+        if not t.strip():
+            return None, "rows with empty text"
+        return {"text": t}, ""
+    return None, 'rows with neither "prompt"/"completion" nor "text"'
+
+
+def load_jsonl(path: str) -> LoadedExamples:
+    """JSONL (one object per line; blank lines skipped) or a JSON array of objects."""
+    with open(path, encoding="utf-8-sig") as f:
+        content = f.read()
+    records: list = []
+    rejected: Counter = Counter()
+    stripped = content.lstrip()
+    parsed_whole = False
+    if stripped.startswith("["):
+        try:
+            whole = json.loads(content)
+        except json.JSONDecodeError:
+            pass
+        else:
+            records = list(whole)
+            parsed_whole = True
+    if not parsed_whole:
+        for line in content.splitlines():
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                records.append(_BAD_JSON)
+    rows: list[dict] = []
+    for obj in records:
+        if obj is _BAD_JSON:
+            rejected["lines that are not valid JSON"] += 1
+            continue
+        row, why = _check_record(obj)
+        if row is None:
+            rejected[why] += 1
+        else:
+            rows.append(row)
+    if not rows:
+        raise _no_usable_rows(path, len(records), rejected, _JSONL_FIX)
+    return LoadedExamples(rows, source=path, n_read=len(records), rejected=rejected)
+
+
+_BAD_JSON = object()
+
+
+# ---------------------------------------------------------------- dispatch
+
+def load_examples(path: str | None) -> LoadedExamples:
+    """Load a dataset by extension: ``.csv`` (AG News) or ``.jsonl``/``.json``.
+
+    ``None`` gives the built-in synthetic set (``DEFAULT_SYNTHETIC_N`` examples, seed 0).
+    """
+    if path is None:
+        return LoadedExamples(synthetic_examples(DEFAULT_SYNTHETIC_N, seed=0),
+                              source="synthetic", n_read=DEFAULT_SYNTHETIC_N)
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise DataError(f"data file not found: {path}; pass an existing .csv (AG News) or "
+                        f".jsonl/.json file, or no data file for the built-in synthetic set")
+    if os.path.isdir(path):
+        raise DataError(f"data path is a directory, not a file: {path}; pass the .csv or "
+                        f".jsonl file inside it")
+    ext = os.path.splitext(path)[1].lower()
+    loader = {".csv": load_ag_news_csv, ".jsonl": load_jsonl, ".json": load_jsonl}.get(ext)
+    if loader is not None:
+        try:
+            return loader(path)
+        except UnicodeDecodeError as e:
+            raise DataError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}); "
+                            f"save the file as UTF-8") from None
+        except csv.Error as e:
+            raise DataError(f"{path}: malformed CSV ({e}); {_CSV_FIX}") from None
+    raise DataError(f"unknown data format {ext or '(no extension)'!r} for {path}; use .csv "
+                    f"(AG News: class index, title, description) or .jsonl/.json "
+                    f'({{"prompt","completion"}} or {{"text"}} rows)')

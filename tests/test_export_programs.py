@@ -1,0 +1,164 @@
+"""The exported programs are right: program == eager, two-phase == one-method, no forward
+recompute in phase 2, and a few optimizer steps follow the eager trajectory."""
+import json
+
+import torch
+from peft import get_peft_model
+from safetensors.torch import load_file
+from transformers import LlamaForCausalLM
+
+from exporter.chunk_model import example_inputs, input_names, lora_config, peft_name
+from exporter.lower import joint_program, lower_joint
+from exporter.manifest import load_manifest
+from exporter.two_phase import split_at_marker
+from exporter.verify import TOLERANCE, eager_step, sample_lora, verify_all, verify_chunk
+from zl_mobile.program import ChunkProgram
+
+
+def _hf(artifacts):
+    class C:
+        vocab_size, hidden_size = artifacts[0].chunk.lm_head.weight.shape
+    return C
+
+
+def test_manifest_lists_files_methods_and_versions(small_export):
+    out, manifest, artifacts, cfg = small_export
+    m = load_manifest(out)  # checks every file's size and sha256
+    assert [c["layers"] for c in m["chunks"]] == [[0, 1], [2, 3]]
+    assert m["model"]["weights_sha256"] and len(m["model"]["weights_sha256"]) == 64
+    assert set(m["versions"]) >= {"torch", "executorch", "zerolock"}
+    assert m["export"]["alpha"] == cfg.alpha and m["export"]["seq_len"] == 16
+    c0, c1 = m["chunks"]
+    assert c0["methods"]["phase1"]["inputs"][-3]["name"] == "input_ids"
+    assert c1["methods"]["phase1"]["inputs"][-3] == {"name": "h_in", "shape": [2, 16, 64], "dtype": "float32"}
+    assert c1["methods"]["phase1"]["outputs"][0] == {"name": "h_out", "shape": [2, 16, 64], "dtype": "float32"}
+    p2_out = [o["name"] for o in c1["methods"]["phase2"]["outputs"]]
+    assert p2_out[:3] == ["loss", "task_loss", "consis_loss"]
+    assert p2_out[3:] == ["grad:" + t["name"] for t in c1["lora"]]
+    paths = {f["path"] for f in m["files"]}
+    assert {"chunk_0.pte", "chunk_0.ptd", "chunk_1.pte", "chunk_1.ptd", "tokenizer/tokenizer.json"} <= paths
+
+
+def test_lora_names_match_peft_on_the_full_model(small_export, small_model_dir):
+    out, manifest, artifacts, cfg = small_export
+    full = get_peft_model(LlamaForCausalLM.from_pretrained(small_model_dir), lora_config(cfg))
+    from peft import get_peft_model_state_dict
+    peft_keys = {"base_model.model." + k.removeprefix("base_model.model.") for k in get_peft_model_state_dict(full)}
+    ours = {t["name"] for c in manifest["chunks"] for t in c["lora"]}
+    assert ours == peft_keys
+    init = load_file(str(out / manifest["chunks"][1]["lora_init"]))
+    assert set(init) == {t["name"] for t in manifest["chunks"][1]["lora"]}
+    assert all(float(v.abs().sum()) == 0 for k, v in init.items() if "lora_B" in k)  # peft init: B = 0
+
+
+def test_program_matches_eager(small_export):
+    out, manifest, artifacts, cfg = small_export
+    rows = verify_all(out, artifacts, cfg, _hf(artifacts), report=lambda s: None)
+    for d in rows:
+        assert d["loss"] < TOLERANCE["loss"] and d["h_out"] < TOLERANCE["h_out"] and d["grads"] < TOLERANCE["grads"]
+
+
+def test_verify_catches_a_wrong_program(small_export, tmp_path):
+    """Swap chunk 1's weights for chunk 0's: verification must notice."""
+    out, manifest, artifacts, cfg = small_export
+    import shutil
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    shutil.copy(bad / "chunk_0.ptd", bad / "chunk_1.ptd")
+    d = verify_chunk(bad, artifacts[1], cfg, _hf(artifacts))
+    assert d["h_out"] > TOLERANCE["h_out"]
+
+
+def _matmul_flops(ep):
+    total = 0
+    for n in ep.graph.nodes:
+        if n.op != "call_function":
+            continue
+        name = str(n.target)
+        if any(k in name for k in ("aten.mm", "aten.bmm", "aten.addmm")):
+            a, b = [x.meta["val"] for x in n.args[-2:]]
+            total += 2 * a.numel() * b.shape[-1]
+    return total
+
+
+def test_phase2_does_not_recompute_the_forward(small_export):
+    out, manifest, artifacts, cfg = small_export
+    art = artifacts[1]
+    inputs = example_inputs(art.chunk, cfg, 512, 64)
+    ep = joint_program(art.chunk, inputs)
+    joint = _matmul_flops(ep)
+    split = split_at_marker(ep, input_names(False))
+    f1, f2 = _matmul_flops(split.phase1.program), _matmul_flops(split.phase2.program)
+    assert f1 > 0 and f2 > 0
+    assert f1 + f2 == joint  # every matmul of the joint graph runs exactly once
+    # phase 2 holds no forward-layer matmul: the forward's FLOPs all sit in phase 1
+    fwd_only = _matmul_flops(torch.export.export(art.chunk, inputs, strict=False).run_decompositions())
+    readout = 2 * cfg.readout_rows * 64 * 512 * 2  # two readouts (p_k and p_{k-1})
+    assert f1 == fwd_only - readout
+
+
+def test_two_phase_equals_one_method_program(small_export):
+    from executorch.extension.training import _load_for_executorch_for_training_from_buffer
+
+    out, manifest, artifacts, cfg = small_export
+    art = artifacts[1]
+    entry = manifest["chunks"][1]
+    inputs = example_inputs(art.chunk, cfg, 512, 64, seed=3)
+    lora = sample_lora(entry, seed=5)
+    to_local = {peft_name(n, art.first): n for n in art.chunk.lora_parameters()}
+    params = art.chunk.lora_parameters()
+    with torch.no_grad():
+        for g, v in lora.items():
+            params[to_local[g]].copy_(v)
+    buffer = lower_joint(joint_program(art.chunk, inputs)).buffer  # must outlive the module
+    one = _load_for_executorch_for_training_from_buffer(buffer)
+    outs = one.forward_backward("forward", inputs)
+    grads_one = one.named_gradients()
+
+    prog = ChunkProgram(out, entry)
+    batch = dict(zip(input_names(False), inputs))
+    h, saved = prog.phase1(lora, batch)
+    res = prog.phase2(lora, saved, batch)
+    assert abs(res.loss - float(outs[0])) <= 1e-6
+    assert torch.allclose(h, outs[3], atol=1e-6)
+    for g, local in to_local.items():
+        assert torch.allclose(res.grads[g], grads_one[local], atol=1e-7, rtol=1e-5), g
+
+
+def test_optimizer_steps_follow_the_eager_trajectory(small_export):
+    out, manifest, artifacts, cfg = small_export
+    art = artifacts[0]
+    entry = manifest["chunks"][0]
+    prog = ChunkProgram(out, entry)
+    inputs = example_inputs(art.chunk, cfg, 512, 64, seed=11)
+    batch = dict(zip(input_names(True), inputs))
+    to_local = {peft_name(n, art.first): n for n in art.chunk.lora_parameters()}
+    start = sample_lora(entry, seed=2)
+
+    theirs = {k: v.clone().requires_grad_(True) for k, v in start.items()}
+    opt_prog = torch.optim.AdamW(list(theirs.values()), lr=1e-2)
+    params = art.chunk.lora_parameters()
+    with torch.no_grad():
+        for g, v in start.items():
+            params[to_local[g]].copy_(v)
+    opt_eager = torch.optim.AdamW([params[to_local[g]] for g in start], lr=1e-2)
+    losses_p, losses_e = [], []
+    for _ in range(4):
+        cur = {k: v.detach() for k, v in theirs.items()}
+        h, saved = prog.phase1(cur, batch)
+        res = prog.phase2(cur, saved, batch)
+        for k, v in theirs.items():
+            v.grad = res.grads[k]
+        opt_prog.step()
+        losses_p.append(res.loss)
+
+        opt_eager.zero_grad()
+        loss = art.chunk(*inputs)[0]
+        loss.backward()
+        opt_eager.step()
+        losses_e.append(loss.item())
+    assert losses_p[-1] < losses_p[0]  # it trains
+    for a, b in zip(losses_p, losses_e):
+        assert abs(a - b) < 1e-4
+    for g in start:
+        assert torch.allclose(theirs[g].detach(), params[to_local[g]].detach(), atol=1e-5)

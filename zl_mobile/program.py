@@ -1,0 +1,69 @@
+"""A chunk's two-phase training program, run by ExecuTorch's runtime.
+
+phase1(lora, batch) -> (h_k, saved)          the forward; h_k is what goes downstream
+phase2(lora, saved, batch) -> StepResult      local loss + LoRA gradients; no forward recompute
+Inputs are matched to the method signatures by the names recorded in the manifest."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+
+class ProgramError(Exception):
+    """The program could not be loaded or was called with inputs that do not fit it."""
+
+
+@dataclass
+class StepResult:
+    loss: float
+    task_loss: float
+    consis_loss: float
+    grads: dict[str, torch.Tensor]  # peft name -> gradient
+
+
+class ChunkProgram:
+    def __init__(self, export_dir: Path, chunk: dict):
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+        self.chunk = chunk
+        self.index = chunk["index"]
+        pte = Path(export_dir) / chunk["program"]
+        ptd = Path(export_dir) / chunk["weights"]
+        try:
+            self._module = _load_for_executorch(str(pte), data_path=str(ptd))
+        except Exception as e:  # the runtime raises RuntimeError with an error code only
+            raise ProgramError(f"ExecuTorch could not load {pte.name} with {ptd.name} ({e}): "
+                               "re-push the program and weights (their sha256 must match the manifest)") from None
+        self.methods = chunk["methods"]
+        self.lora_names = [t["name"] for t in chunk["lora"]]
+        self.lora_shapes = {t["name"]: tuple(t["shape"]) for t in chunk["lora"]}
+
+    def input_spec(self, method: str) -> list[dict]:
+        return self.methods[method]["inputs"]
+
+    def _args(self, method: str, values: dict) -> tuple:
+        args = []
+        for spec in self.methods[method]["inputs"]:
+            t = values.get(spec["name"])
+            if t is None:
+                raise ProgramError(f"{method} of chunk {self.index} needs input {spec['name']!r}, which was not given")
+            if list(t.shape) != spec["shape"]:
+                raise ProgramError(f"{method} input {spec['name']!r} has shape {list(t.shape)}, the program was "
+                                   f"exported for {spec['shape']}: pad the micro-batch or re-export")
+            args.append(t.contiguous())
+        return tuple(args)
+
+    def phase1(self, lora: dict, batch: dict):
+        outs = self._module.run_method("phase1", self._args("phase1", {**batch, **lora}))
+        names = [o["name"] for o in self.methods["phase1"]["outputs"]]
+        saved = dict(zip(names, outs))
+        return saved["h_out"], saved
+
+    def phase2(self, lora: dict, saved: dict, batch: dict) -> StepResult:
+        outs = self._module.run_method("phase2", self._args("phase2", {**batch, **saved, **lora}))
+        names = [o["name"] for o in self.methods["phase2"]["outputs"]]
+        res = dict(zip(names, outs))
+        grads = {n[5:]: g for n, g in res.items() if n.startswith("grad:")}
+        return StepResult(float(res["loss"]), float(res["task_loss"]), float(res["consis_loss"]), grads)
