@@ -1,0 +1,120 @@
+"""Blocking-socket helpers: send_message / recv_message, and a token-bucket RateLimiter."""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from typing import Callable, Protocol
+
+from .errors import ConnectionClosed, ErrorCode, ProtocolError
+from .frames import (DEFAULT_MAX_FRAME, HEADER_SIZE, TRAILER_SIZE, decode_body, encode_parts,
+                     parse_header)
+from .messages import Message
+
+SEND_CHUNK = 64 << 10
+
+
+class Limiter(Protocol):
+    def consume(self, nbytes: int) -> None: ...
+
+
+class RateLimiter:
+    """Token bucket: consume(n) blocks until n bytes may go out at `bytes_per_s` on average,
+    allowing bursts of up to `burst` bytes (default: 1/20 s worth, at least 16 KiB).
+    Thread-safe; one limiter shared by several sockets shapes their sum."""
+
+    def __init__(self, bytes_per_s: float, burst: int | None = None, *,
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep):
+        if bytes_per_s <= 0:
+            raise ValueError(f"bytes_per_s must be > 0, got {bytes_per_s}")
+        self.rate = float(bytes_per_s)
+        self.burst = float(burst if burst is not None else max(16 << 10, bytes_per_s / 20))
+        self._clock, self._sleep = clock, sleep
+        self._tokens = self.burst
+        self._last = clock()
+        self._lock = threading.Lock()
+
+    def consume(self, nbytes: int) -> None:
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + (now - self._last) * self.rate)
+            self._last = now
+            self._tokens -= nbytes  # may go negative: the debt is paid by sleeping
+            wait = -self._tokens / self.rate if self._tokens < 0 else 0.0
+        if wait > 0:
+            self._sleep(wait)
+
+
+def send_message(sock: socket.socket, msg: Message, *, limiter: Limiter | None = None) -> int:
+    """Encode and send one message; returns the frame size. With a limiter, bytes go out in
+    64 KiB pieces, each after limiter.consume(len(piece))."""
+    total = 0
+    pending: list = []
+    pending_len = 0
+
+    def flush():
+        nonlocal pending, pending_len
+        if pending:
+            blob = b"".join(pending)
+            _send(sock, blob, limiter)
+            pending, pending_len = [], 0
+
+    for part in encode_parts(msg):
+        n = len(part) if isinstance(part, bytes) else part.nbytes
+        total += n
+        if n < SEND_CHUNK:  # coalesce small pieces into one write
+            pending.append(part)
+            pending_len += n
+            if pending_len >= SEND_CHUNK:
+                flush()
+        else:
+            flush()
+            _send(sock, part, limiter)
+    flush()
+    return total
+
+
+def _send(sock: socket.socket, data, limiter: Limiter | None) -> None:
+    if limiter is None:
+        sock.sendall(data)
+        return
+    view = memoryview(data).cast("B")
+    for off in range(0, len(view), SEND_CHUNK):
+        piece = view[off:off + SEND_CHUNK]
+        limiter.consume(len(piece))
+        sock.sendall(piece)
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview, what: str, first: bool) -> None:
+    got = 0
+    while got < len(buf):
+        try:
+            n = sock.recv_into(buf[got:])
+        except socket.timeout:
+            if first and got == 0:
+                raise  # nothing of a frame read yet: an ordinary timeout, the stream is intact
+            raise ProtocolError(ErrorCode.TIMEOUT,
+                                f"peer stalled mid-frame ({what}, {got} of {len(buf)} bytes); "
+                                "the connection is unusable, reconnect") from None
+        if n == 0:
+            if first and got == 0:
+                raise ConnectionClosed("peer closed the connection")
+            raise ProtocolError(ErrorCode.TRUNCATED,
+                                f"stream ended inside a frame ({what}: {got} of {len(buf)} bytes); "
+                                "the peer closed or crashed mid-frame")
+        got += n
+
+
+def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME) -> Message:
+    """Read exactly one frame: 16 header bytes, validate them (size limit included), then
+    allocate and read the body. Raises ConnectionClosed on EOF between frames, ProtocolError
+    otherwise (TRUNCATED on EOF mid-frame, TIMEOUT on a socket timeout mid-frame); a socket
+    timeout before the first byte propagates as socket.timeout (TimeoutError)."""
+    head_buf = bytearray(HEADER_SIZE)
+    _recv_exact(sock, memoryview(head_buf), "header", first=True)
+    head = parse_header(head_buf, max_frame)
+    rest = bytearray(head.body_len + TRAILER_SIZE)
+    _recv_exact(sock, memoryview(rest), f"{head.type.name} body", first=False)
+    (crc,) = struct.unpack_from("<I", rest, head.body_len)
+    return decode_body(head.type, memoryview(rest)[:head.body_len], crc)
