@@ -1,0 +1,41 @@
+package org.zerolock.app
+
+import android.content.Context
+import android.net.nsd.NsdManager
+import android.net.nsd.NsdServiceInfo
+import android.util.Log
+import org.zerolock.core.ZeroLockTxt
+
+/** Advertises this phone as `_zerolock._tcp` with the ZeroLock TXT record (NsdManager). */
+class NsdAdvertiser(context: Context) {
+    private val nsd = context.getSystemService(Context.NSD_SERVICE) as NsdManager
+    private var listener: NsdManager.RegistrationListener? = null
+
+    fun register(port: Int, txt: ZeroLockTxt) {
+        unregister()
+        val info = NsdServiceInfo().apply {
+            serviceName = txt.name
+            serviceType = SERVICE_TYPE
+            setPort(port)
+            for ((k, v) in txt.toAttributes()) setAttribute(k, v)
+        }
+        val l = object : NsdManager.RegistrationListener {
+            override fun onServiceRegistered(si: NsdServiceInfo) = Log.i(TAG, "advertised ${si.serviceName} on port $port")
+            override fun onRegistrationFailed(si: NsdServiceInfo, errorCode: Int) = Log.w(TAG, "mDNS registration failed ($errorCode); pair over adb instead")
+            override fun onServiceUnregistered(si: NsdServiceInfo) = Log.i(TAG, "mDNS advertisement withdrawn")
+            override fun onUnregistrationFailed(si: NsdServiceInfo, errorCode: Int) = Log.w(TAG, "mDNS unregistration failed ($errorCode)")
+        }
+        listener = l
+        nsd.registerService(info, NsdManager.PROTOCOL_DNS_SD, l)
+    }
+
+    fun unregister() {
+        listener?.let { runCatching { nsd.unregisterService(it) } }
+        listener = null
+    }
+
+    companion object {
+        const val SERVICE_TYPE = "_zerolock._tcp"
+        private const val TAG = "ZeroLockNsd"
+    }
+}

@@ -1,0 +1,145 @@
+package org.zerolock.core.device
+
+import org.zerolock.core.Json
+import org.zerolock.core.asObject
+import org.zerolock.core.protocol.DType
+import org.zerolock.core.protocol.Tensor
+import org.zerolock.core.str
+
+/** Result of phase 2: the local loss, its two terms, and one gradient per LoRA tensor. */
+class Phase2Result(val loss: Double, val taskLoss: Double, val consisLoss: Double, val grads: Map<String, FloatArray>)
+
+/** Output of phase 1: h_k (sent downstream at once) and what phase 2 needs. */
+class Phase1Result(val h: Tensor, val saved: Map<String, Tensor>)
+
+/**
+ * What a stage runs per micro-batch. The Android app implements it with ExecuTorch (through
+ * [ManifestChunkRunner] + a [MethodBackend]); tests and DeviceMain use [AffineChunkRunner].
+ */
+interface ChunkRunner {
+    /** LoRA tensor names (in the program's input order) and shapes. */
+    val loraShapes: LinkedHashMap<String, LongArray>
+    fun initialLora(): Map<String, FloatArray>
+    /** [batch]: the HIDDEN_STATE tensors ("h" = h_{k-1}, plus labels/mask...). */
+    fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result
+    fun phase2(batch: Map<String, Tensor>, p1: Phase1Result, lora: Map<String, FloatArray>): Phase2Result
+    fun close() {}
+}
+
+/** Runs one method of a loaded program: inputs and outputs in signature order. */
+interface MethodBackend {
+    fun run(method: String, inputs: List<Tensor>): List<Tensor>
+    fun close() {}
+}
+
+/**
+ * A chunk described by its entry in zl-export's manifest.json (`chunks[k]`): `methods.phase1` /
+ * `methods.phase2` give input and output names (and input shapes/dtypes), `lora` the adapter
+ * tensors. Inputs are matched by name: LoRA tensors from the adapter, "h_in" from the
+ * HIDDEN_STATE tensor "h", any other from the HIDDEN_STATE tensor of that name, and phase-2
+ * inputs also from phase 1's outputs. Phase 1 outputs "h_out" first; phase 2 outputs
+ * "loss", "task_loss", "consis_loss", then "grad:<lora name>" per LoRA tensor.
+ */
+class ManifestChunkRunner(private val chunk: Map<String, Any?>, private val backend: MethodBackend) : ChunkRunner {
+    class Spec(val name: String, val shape: LongArray?, val dtype: String?)
+
+    private val methods = chunk["methods"].asObject("manifest chunk 'methods'")
+    private fun specs(method: String, key: String): List<Spec> {
+        @Suppress("UNCHECKED_CAST")
+        val l = methods[method].asObject("method $method")[key] as? List<Any?> ?: throw Json.JsonError("method $method lacks '$key'")
+        return l.map { e ->
+            val o = e.asObject("$method $key entry")
+            @Suppress("UNCHECKED_CAST")
+            Spec(o.str("name"), (o["shape"] as? List<Number>)?.map { it.toLong() }?.toLongArray(), o["dtype"] as? String)
+        }
+    }
+
+    private val p1In = specs("phase1", "inputs")
+    private val p1Out = specs("phase1", "outputs")
+    private val p2In = specs("phase2", "inputs")
+    private val p2Out = specs("phase2", "outputs")
+
+    override val loraShapes: LinkedHashMap<String, LongArray> = LinkedHashMap<String, LongArray>().also { m ->
+        @Suppress("UNCHECKED_CAST")
+        for (e in chunk["lora"] as? List<Any?> ?: throw Json.JsonError("manifest chunk lacks 'lora'")) {
+            val o = e.asObject("lora entry")
+            @Suppress("UNCHECKED_CAST")
+            m[o.str("name")] = (o["shape"] as List<Number>).map { it.toLong() }.toLongArray()
+        }
+    }
+
+    /** LoRA init as PEFT does it: A small random (Kaiming-uniform like), B zero. */
+    override fun initialLora(): Map<String, FloatArray> {
+        val rnd = java.util.Random(0)
+        return loraShapes.mapValues { (name, shape) ->
+            val n = shape.fold(1L) { a, b -> a * b }.toInt()
+            if (name.contains("lora_B")) FloatArray(n) else {
+                val fanIn = shape.last().toDouble()
+                val bound = Math.sqrt(1.0 / fanIn)
+                FloatArray(n) { ((rnd.nextDouble() * 2 - 1) * bound).toFloat() }
+            }
+        }
+    }
+
+    private fun gather(method: String, specs: List<Spec>, pool: Map<String, Tensor>, lora: Map<String, FloatArray>): List<Tensor> =
+        specs.map { s ->
+            val t = lora[s.name]?.let { Tensor.ofFloats(it, *loraShapes[s.name]!!) }
+                ?: pool[s.name]
+                ?: (if (s.name == "h_in") pool["h"] else null)
+                ?: throw IllegalArgumentException("$method needs input '${s.name}', which the micro-batch does not carry")
+            if (s.shape != null && !s.shape.contentEquals(t.shape)) {
+                throw IllegalArgumentException("$method input '${s.name}' has shape ${t.shape.toList()}, the program was exported for ${s.shape.toList()}: pad the micro-batch or re-export")
+            }
+            t
+        }
+
+    override fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result {
+        val outs = backend.run("phase1", gather("phase1", p1In, batch, lora))
+        require(outs.size == p1Out.size) { "phase1 returned ${outs.size} outputs, manifest lists ${p1Out.size}" }
+        val named = LinkedHashMap<String, Tensor>()
+        for ((s, t) in p1Out.zip(outs)) named[s.name] = t
+        val h = named["h_out"] ?: outs[0]
+        return Phase1Result(h, named)
+    }
+
+    override fun phase2(batch: Map<String, Tensor>, p1: Phase1Result, lora: Map<String, FloatArray>): Phase2Result {
+        val pool = LinkedHashMap<String, Tensor>(batch).also { it.putAll(p1.saved) }
+        val outs = backend.run("phase2", gather("phase2", p2In, pool, lora))
+        require(outs.size == p2Out.size) { "phase2 returned ${outs.size} outputs, manifest lists ${p2Out.size}" }
+        val named = p2Out.map { it.name }.zip(outs).toMap()
+        fun scalar(n: String): Double = named[n]?.toFloatArray()?.firstOrNull()?.toDouble() ?: Double.NaN
+        val grads = LinkedHashMap<String, FloatArray>()
+        for (n in loraShapes.keys) grads[n] = named["grad:$n"]?.toFloatArray() ?: throw IllegalStateException("phase2 returned no gradient for $n")
+        return Phase2Result(scalar("loss"), scalar("task_loss"), scalar("consis_loss"), grads)
+    }
+
+    override fun close() = backend.close()
+}
+
+/**
+ * A stand-in chunk for tests and the interop demo: h_k = h * (1 + a) + b elementwise with two
+ * scalar "LoRA" parameters a, b, and the loss 0.5 * mean((h_k - target)^2) with target 0.
+ * Gradients are exact, so training visibly lowers the loss.
+ */
+class AffineChunkRunner : ChunkRunner {
+    override val loraShapes = linkedMapOf("a" to longArrayOf(1), "b" to longArrayOf(1))
+    override fun initialLora(): Map<String, FloatArray> = linkedMapOf("a" to floatArrayOf(0f), "b" to floatArrayOf(0.5f))
+
+    override fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result {
+        val hIn = batch["h"] ?: throw IllegalArgumentException("HIDDEN_STATE lacks 'h'")
+        require(hIn.dtype == DType.FLOAT32 || hIn.dtype == DType.BFLOAT16 || hIn.dtype == DType.FLOAT16) { "h must be a float tensor" }
+        val x = hIn.toFloatArray()
+        val a = lora["a"]!![0]; val b = lora["b"]!![0]
+        val y = FloatArray(x.size) { x[it] * (1f + a) + b }
+        return Phase1Result(Tensor.ofFloats(y, *hIn.shape), mapOf("x" to Tensor.ofFloats(x, *hIn.shape)))
+    }
+
+    override fun phase2(batch: Map<String, Tensor>, p1: Phase1Result, lora: Map<String, FloatArray>): Phase2Result {
+        val x = p1.saved["x"]!!.toFloatArray()
+        val y = p1.h.toFloatArray()
+        val n = maxOf(1, y.size)
+        var loss = 0.0; var ga = 0.0; var gb = 0.0
+        for (i in y.indices) { loss += 0.5 * y[i] * y[i]; ga += y[i] * x[i]; gb += y[i] }
+        return Phase2Result(loss / n, loss / n, 0.0, linkedMapOf("a" to floatArrayOf((ga / n).toFloat()), "b" to floatArrayOf((gb / n).toFloat())))
+    }
+}

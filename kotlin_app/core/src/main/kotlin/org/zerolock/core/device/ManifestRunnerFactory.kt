@@ -1,0 +1,47 @@
+package org.zerolock.core.device
+
+import org.zerolock.core.Json
+import org.zerolock.core.asObject
+import org.zerolock.core.protocol.ErrorCode
+import org.zerolock.core.protocol.Handshake
+import org.zerolock.core.protocol.ProtocolException
+import java.io.File
+import java.security.MessageDigest
+
+/**
+ * Builds a [ManifestChunkRunner] for the assigned stage from what the host pushed into
+ * [filesDir]: `manifest.json` (zl-export's), the chunk's program and its weights. The program's
+ * SHA-256 must equal STAGE_ASSIGN's `program_sha256` (and the weights' `weights_sha256` when
+ * given). [loadBackend] is the only platform-specific part (ExecuTorch on Android).
+ */
+class ManifestRunnerFactory(private val loadBackend: (program: File, weights: File?) -> MethodBackend) : RunnerFactory {
+    override fun create(assignment: StageAssignment, filesDir: File): ChunkRunner {
+        val mf = File(filesDir, "manifest.json")
+        if (!mf.isFile) reject(assignment, "no manifest.json on the device; push the export (manifest, program, weights) first")
+        val manifest = Json.parse(mf.readText()).asObject("manifest.json")
+        @Suppress("UNCHECKED_CAST")
+        val chunks = manifest["chunks"] as? List<Any?> ?: reject(assignment, "manifest.json has no 'chunks'")
+        val chunk = chunks.map { it.asObject("chunk") }.firstOrNull { (it["index"] as? Number)?.toInt() == assignment.stage }
+            ?: chunks.getOrNull(assignment.stage)?.asObject("chunk")
+            ?: reject(assignment, "manifest.json has no chunk ${assignment.stage}")
+        val program = File(filesDir, File(chunk["program"] as? String ?: reject(assignment, "chunk has no 'program'")).name)
+        val weights = (chunk["weights"] as? String)?.let { File(filesDir, File(it).name) }
+        if (!program.isFile) reject(assignment, "${program.name} was not pushed")
+        if (sha256(program) != assignment.programSha256) reject(assignment, "${program.name} does not match program_sha256; re-push it")
+        if (weights != null) {
+            if (!weights.isFile) reject(assignment, "${weights.name} was not pushed")
+            assignment.msg.stringOrNull("weights_sha256")?.let { if (sha256(weights) != it) reject(assignment, "${weights.name} does not match weights_sha256; re-push it") }
+        }
+        return ManifestChunkRunner(chunk, loadBackend(program, weights))
+    }
+
+    private fun reject(a: StageAssignment, why: String): Nothing = throw ProtocolException(ErrorCode.REJECTED, why, a.msg.long("request_id"))
+
+    companion object {
+        fun sha256(f: File): String {
+            val md = MessageDigest.getInstance("SHA-256")
+            f.inputStream().use { s -> val buf = ByteArray(1 shl 20); while (true) { val n = s.read(buf); if (n < 0) break; md.update(buf, 0, n) } }
+            return Handshake.hex(md.digest())
+        }
+    }
+}

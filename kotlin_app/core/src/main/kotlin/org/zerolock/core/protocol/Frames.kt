@@ -1,0 +1,206 @@
+package org.zerolock.core.protocol
+
+import java.io.ByteArrayOutputStream
+import java.io.InputStream
+import java.io.OutputStream
+import java.util.zip.CRC32
+
+/** Frame codec of PROTOCOL.md sections 2-4. */
+object Frames {
+    const val VERSION = 1
+    const val HEADER_SIZE = 16
+    const val TRAILER_SIZE = 4
+    const val DEFAULT_MAX_FRAME = 256L * 1024 * 1024
+    const val PREAUTH_MAX_FRAME = 64L * 1024
+    const val MAX_META_BYTES = 1024 * 1024
+    const val MAX_TENSORS = 65535
+    const val MAX_NAME_BYTES = 1024
+    val MAGIC = byteArrayOf(0x5A, 0x4C, 0x57, 0x50) // "ZLWP"
+
+    fun crc32(b: ByteArray, off: Int = 0, len: Int = b.size - off): Long =
+        CRC32().also { it.update(b, off, len) }.value
+
+    internal fun u16(b: ByteArray, o: Int): Int = (b[o].toInt() and 0xff) or ((b[o + 1].toInt() and 0xff) shl 8)
+    internal fun u32(b: ByteArray, o: Int): Long = (u16(b, o).toLong()) or (u16(b, o + 2).toLong() shl 16)
+
+    private fun ByteArrayOutputStream.u8(v: Int) = write(v and 0xff)
+    private fun ByteArrayOutputStream.u16(v: Int) { write(v and 0xff); write((v ushr 8) and 0xff) }
+    private fun ByteArrayOutputStream.u32(v: Long) { for (k in 0 until 4) write(((v ushr (8 * k)) and 0xff).toInt()) }
+
+    /** Parsed, checked frame header (steps 2-7 of 2.2). */
+    class Header(val type: MsgType, val bodyLen: Long)
+
+    /** Checks 2..7 of PROTOCOL.md 2.2 on the 16 header bytes. */
+    fun parseHeader(h: ByteArray, maxFrame: Long): Header {
+        require(h.size >= HEADER_SIZE)
+        for (k in 0 until 4) if (h[k] != MAGIC[k]) throw ProtocolException(ErrorCode.BAD_MAGIC, "not a ZeroLock peer (magic is not ZLWP); check the address and port")
+        val version = h[4].toInt() and 0xff
+        if (version != VERSION) throw ProtocolException(ErrorCode.BAD_VERSION, "protocol version $version is not supported (this side speaks $VERSION); update the older side")
+        if (u32(h, 12) != crc32(h, 0, 12)) throw ProtocolException(ErrorCode.BAD_CHECKSUM, "frame header CRC mismatch; the link corrupts data or lost sync")
+        if (u16(h, 6) != 0) malformed("reserved frame flags are ${u16(h, 6)}, must be 0")
+        val bodyLen = u32(h, 8)
+        if (bodyLen + HEADER_SIZE + TRAILER_SIZE > maxFrame) {
+            throw ProtocolException(ErrorCode.OVERSIZED, "frame of ${human(bodyLen + 20)} exceeds the ${human(maxFrame)} limit; send smaller chunks or raise max_frame on the receiver")
+        }
+        val code = h[5].toInt() and 0xff
+        val type = MsgType.fromCode(code) ?: throw ProtocolException(ErrorCode.UNKNOWN_TYPE, "message type 0x%02x is unknown in protocol version 1; update this side".format(code))
+        return Header(type, bodyLen)
+    }
+
+    private fun human(n: Long): String = when {
+        n >= 1L shl 30 -> "%.1f GiB".format(n / (1024.0 * 1024 * 1024))
+        n >= 1L shl 20 -> "%.1f MiB".format(n / (1024.0 * 1024))
+        n >= 1L shl 10 -> "%.1f KiB".format(n / 1024.0)
+        else -> "$n bytes"
+    }
+
+    /** Encode [m] as one frame (validates the schema first). */
+    fun encode(m: Message): ByteArray {
+        Schema.validate(m)
+        val body = encodeBody(m)
+        val out = ByteArrayOutputStream(HEADER_SIZE + body.size + TRAILER_SIZE)
+        val header = ByteArrayOutputStream(HEADER_SIZE)
+        header.write(MAGIC)
+        header.u8(VERSION)
+        header.u8(m.type.code)
+        header.u16(0)
+        header.u32(body.size.toLong())
+        val h12 = header.toByteArray()
+        header.u32(crc32(h12))
+        out.write(header.toByteArray())
+        out.write(body)
+        out.u32(crc32(body))
+        return out.toByteArray()
+    }
+
+    private fun encodeBody(m: Message): ByteArray {
+        val meta = MetaJson.encode(m.meta)
+        require(meta.size in 1..MAX_META_BYTES) { "metadata of ${meta.size} bytes exceeds $MAX_META_BYTES" }
+        require(m.tensors.size <= MAX_TENSORS) { "too many tensors" }
+        val b = ByteArrayOutputStream(meta.size + 64 + m.tensors.values.sumOf { it.data.size + 64 })
+        b.u32(meta.size.toLong())
+        b.write(meta)
+        b.u16(m.tensors.size)
+        for ((name, t) in m.tensors) {
+            val nb = name.toByteArray(Charsets.UTF_8)
+            require(nb.size in 1..MAX_NAME_BYTES) { "tensor name must be 1..$MAX_NAME_BYTES bytes" }
+            b.u16(nb.size)
+            b.write(nb)
+            b.u8(t.dtype.code)
+            b.u8(t.shape.size)
+            for (d in t.shape) b.u32(d)
+            b.u32(t.data.size.toLong())
+            b.u32(crc32(t.data))
+            while (b.size() % 8 != 0) b.write(0)
+            b.write(t.data)
+        }
+        return b.toByteArray()
+    }
+
+    /** Decode [buf] as exactly one frame (the test-vector rule: trailing bytes -> MALFORMED). */
+    fun decodeOne(buf: ByteArray, maxFrame: Long = DEFAULT_MAX_FRAME): Message {
+        if (buf.size < HEADER_SIZE) throw ProtocolException(ErrorCode.TRUNCATED, "buffer of ${buf.size} bytes ends inside the frame header")
+        val h = parseHeader(buf, maxFrame)
+        val total = HEADER_SIZE + h.bodyLen + TRAILER_SIZE
+        if (buf.size < total) throw ProtocolException(ErrorCode.TRUNCATED, "buffer of ${buf.size} bytes ends inside a $total-byte frame")
+        val body = buf.copyOfRange(HEADER_SIZE, HEADER_SIZE + h.bodyLen.toInt())
+        val m = decodeBodyChecked(h, body, u32(buf, HEADER_SIZE + h.bodyLen.toInt()))
+        if (buf.size > total) malformed("${buf.size - total} bytes after the frame")
+        return m
+    }
+
+    /** Steps 9-10: body CRC, body structure, tensors, schema. */
+    fun decodeBodyChecked(h: Header, body: ByteArray, bodyCrc: Long): Message {
+        if (crc32(body) != bodyCrc) throw ProtocolException(ErrorCode.BAD_CHECKSUM, "frame body CRC mismatch; the link corrupts data")
+        val m = decodeBody(h.type, body)
+        Schema.validate(m)
+        return m
+    }
+
+    private fun decodeBody(type: MsgType, body: ByteArray): Message {
+        val n = body.size
+        if (n < 4) malformed("body of $n bytes has no room for meta_len")
+        val metaLen = u32(body, 0)
+        if (metaLen == 0L || metaLen > MAX_META_BYTES) malformed("meta_len $metaLen must be in 1..$MAX_META_BYTES")
+        if (4 + metaLen + 2 > n) malformed("meta_len $metaLen runs past the $n-byte body")
+        val meta = MetaJson.parseObject(body, 4, metaLen.toInt())
+        var o = 4 + metaLen.toInt()
+        val count = u16(body, o)
+        o += 2
+        val tensors = LinkedHashMap<String, Tensor>()
+        repeat(count) { idx ->
+            fun need(k: Long, what: String) { if (o + k > n) malformed("tensor record ${idx + 1}/$count: $what runs past the end of the body") }
+            need(2, "name length")
+            val nameLen = u16(body, o); o += 2
+            if (nameLen !in 1..MAX_NAME_BYTES) malformed("tensor name length $nameLen must be 1..$MAX_NAME_BYTES")
+            need(nameLen.toLong(), "name")
+            val name = try {
+                Charsets.UTF_8.newDecoder().decode(java.nio.ByteBuffer.wrap(body, o, nameLen)).toString()
+            } catch (e: java.nio.charset.CharacterCodingException) { malformed("tensor name is not UTF-8") }
+            o += nameLen
+            if (name in tensors) malformed("duplicate tensor name '$name'")
+            need(2, "dtype/ndim")
+            val dtypeCode = body[o].toInt() and 0xff
+            val dtype = DType.fromCode(dtypeCode) ?: malformed("tensor '$name': unknown dtype code $dtypeCode")
+            val ndim = body[o + 1].toInt() and 0xff
+            o += 2
+            if (ndim > Tensor.MAX_DIMS) malformed("tensor '$name': ndim $ndim > ${Tensor.MAX_DIMS}")
+            need(4L * ndim + 8, "shape")
+            val shape = LongArray(ndim) { u32(body, o + 4 * it) }
+            o += 4 * ndim
+            val count = Tensor.elementCountOrNull(shape) ?: malformed("tensor '$name': product of dims ${shape.toList()} is >= 2^32")
+            val nbytes = u32(body, o)
+            val dataCrc = u32(body, o + 4)
+            o += 8
+            if (nbytes != count * dtype.itemSize) malformed("tensor '$name': nbytes $nbytes != ${count} elements * ${dtype.itemSize}")
+            val pad = (8 - o % 8) % 8
+            if (o + pad + nbytes > n) malformed("tensor '$name': ${nbytes} data bytes run past the end of the body")
+            for (k in 0 until pad) if (body[o + k] != 0.toByte()) malformed("tensor '$name': non-zero padding")
+            o += pad
+            val data = body.copyOfRange(o, o + nbytes.toInt())
+            o += nbytes.toInt()
+            if (crc32(data) != dataCrc) throw ProtocolException(ErrorCode.BAD_CHECKSUM, "tensor '$name' data CRC mismatch; the sender computed it wrong")
+            if (dtype == DType.BOOL && data.any { it != 0.toByte() && it != 1.toByte() }) malformed("tensor '$name': bool bytes must be 0 or 1")
+            tensors[name] = Tensor(dtype, shape, data)
+        }
+        if (o != n) malformed("${n - o} bytes left after the last tensor record")
+        return Message(type, meta, tensors)
+    }
+}
+
+/** Reads frames from a stream (one connection); [maxFrame] can be raised after the handshake. */
+class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PREAUTH_MAX_FRAME) {
+    private fun readFully(buf: ByteArray, off: Int, len: Int): Int {
+        var got = 0
+        while (got < len) {
+            val r = input.read(buf, off + got, len - got)
+            if (r < 0) break
+            got += r
+        }
+        return got
+    }
+
+    /** Next message; [ConnectionClosedException] on a clean end of stream between frames. */
+    fun read(): Message {
+        val h = ByteArray(Frames.HEADER_SIZE)
+        val got = readFully(h, 0, h.size)
+        if (got == 0) throw ConnectionClosedException()
+        if (got < h.size) throw ProtocolException(ErrorCode.TRUNCATED, "stream ended inside a frame header ($got of 16 bytes)")
+        val header = Frames.parseHeader(h, maxFrame)
+        val rest = ByteArray((header.bodyLen + Frames.TRAILER_SIZE).toInt())
+        val n = readFully(rest, 0, rest.size)
+        if (n < rest.size) throw ProtocolException(ErrorCode.TRUNCATED, "stream ended inside a frame body ($n of ${rest.size} bytes)")
+        val body = rest.copyOfRange(0, header.bodyLen.toInt())
+        return Frames.decodeBodyChecked(header, body, Frames.u32(rest, header.bodyLen.toInt()))
+    }
+}
+
+/** Writes frames to a stream; thread-safe (one frame at a time). */
+class FrameWriter(private val output: OutputStream) {
+    @Synchronized
+    fun write(m: Message) {
+        output.write(Frames.encode(m))
+        output.flush()
+    }
+}
+

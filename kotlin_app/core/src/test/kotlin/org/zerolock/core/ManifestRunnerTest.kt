@@ -1,0 +1,64 @@
+package org.zerolock.core
+
+import org.junit.jupiter.api.Assertions.assertEquals
+import org.junit.jupiter.api.Assertions.assertArrayEquals
+import org.junit.jupiter.api.Test
+import org.junit.jupiter.api.io.TempDir
+import org.zerolock.core.device.ManifestRunnerFactory
+import org.zerolock.core.device.MethodBackend
+import org.zerolock.core.device.StageAssignment
+import org.zerolock.core.protocol.ErrorCode
+import org.zerolock.core.protocol.Message
+import org.zerolock.core.protocol.MsgType
+import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.Tensor
+import java.io.File
+
+class ManifestRunnerTest {
+    private val manifest = """{"format": "zerolock-export", "chunks": [{"index": 0, "program": "chunk_0.pte", "weights": "chunk_0.ptd",
+      "lora": [{"name": "q.lora_A", "shape": [2, 3]}, {"name": "q.lora_B", "shape": [3, 2]}],
+      "methods": {
+        "phase1": {"inputs": [{"name": "q.lora_A", "shape": [2, 3]}, {"name": "q.lora_B", "shape": [3, 2]}, {"name": "h_in", "shape": [1, 3]}],
+                   "outputs": [{"name": "h_out"}, {"name": "saved_0"}]},
+        "phase2": {"inputs": [{"name": "q.lora_A"}, {"name": "q.lora_B"}, {"name": "saved_0"}, {"name": "labels"}],
+                   "outputs": [{"name": "loss"}, {"name": "task_loss"}, {"name": "consis_loss"}, {"name": "grad:q.lora_A"}, {"name": "grad:q.lora_B"}]}}}]}"""
+
+    /** Records the calls; returns fixed outputs. */
+    private class FakeBackend : MethodBackend {
+        val calls = mutableListOf<Pair<String, List<Tensor>>>()
+        override fun run(method: String, inputs: List<Tensor>): List<Tensor> {
+            calls += method to inputs
+            return if (method == "phase1") listOf(Tensor.ofFloats(floatArrayOf(9f, 8f, 7f), 1, 3), Tensor.ofFloats(floatArrayOf(1f)))
+            else listOf(Tensor.ofFloats(floatArrayOf(2f), *longArrayOf()), Tensor.ofFloats(floatArrayOf(1.5f), *longArrayOf()), Tensor.ofFloats(floatArrayOf(0.5f), *longArrayOf()),
+                Tensor.ofFloats(FloatArray(6) { 1f }, 2, 3), Tensor.ofFloats(FloatArray(6) { 2f }, 3, 2))
+        }
+    }
+
+    private fun assign(sha: String) = StageAssignment(Message(MsgType.STAGE_ASSIGN, linkedMapOf(
+        "request_id" to 1, "stage" to 0, "num_stages" to 2, "upstream" to null, "downstream" to null, "program_sha256" to sha)))
+
+    @Test
+    fun `feeds inputs by name and reads outputs by name`(@TempDir dir: File) {
+        File(dir, "manifest.json").writeText(manifest)
+        File(dir, "chunk_0.pte").writeBytes(byteArrayOf(1, 2, 3))
+        File(dir, "chunk_0.ptd").writeBytes(byteArrayOf(4))
+        val backend = FakeBackend()
+        val f = ManifestRunnerFactory { p, w -> assertEquals("chunk_0.pte", p.name); assertEquals("chunk_0.ptd", w!!.name); backend }
+        assertEquals(ErrorCode.REJECTED, assertThrows<ProtocolException> { f.create(assign("0".repeat(64)), dir) }.code)
+        val runner = f.create(assign(ManifestRunnerFactory.sha256(File(dir, "chunk_0.pte"))), dir)
+        val lora = runner.initialLora()
+        assertEquals(listOf("q.lora_A", "q.lora_B"), runner.loraShapes.keys.toList())
+        assertArrayEquals(FloatArray(6), lora["q.lora_B"], "B starts at zero")
+        val batch = mapOf("h" to Tensor.ofFloats(floatArrayOf(1f, 2f, 3f), 1, 3), "labels" to Tensor.ofLongs(longArrayOf(5, 6, 7), 1, 3))
+        val p1 = runner.phase1(batch, lora)
+        assertArrayEquals(floatArrayOf(9f, 8f, 7f), p1.h.toFloatArray())
+        assertEquals(batch["h"], backend.calls[0].second[2], "h_in comes from the HIDDEN_STATE tensor h")
+        val p2 = runner.phase2(batch, p1, lora)
+        assertEquals(2.0, p2.loss); assertEquals(1.5, p2.taskLoss); assertEquals(0.5, p2.consisLoss)
+        assertArrayEquals(FloatArray(6) { 2f }, p2.grads["q.lora_B"])
+        assertEquals(listOf(1f), backend.calls[1].second[2].toFloatArray().toList(), "saved activations flow from phase 1")
+        // a wrong input shape is a clear error
+        val bad = mapOf("h" to Tensor.ofFloats(floatArrayOf(1f, 2f), 1, 2))
+        assertThrows<IllegalArgumentException> { runner.phase1(bad, lora) }
+    }
+}
