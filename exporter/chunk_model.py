@@ -1,8 +1,9 @@
 """One chunk of the model as an nn.Module computing the seed's local loss (Eqs. 2-5).
 
-forward(x, attention_mask, position_ids, loss_index, loss_target, loss_weight)
+forward(x, attention_mask, position_ids, loss_index, loss_target, loss_weight, alpha)
   x: input_ids [B,S] (first chunk, which owns the embedding) or h_{k-1} [B,S,d]
   loss_index/target/weight [N]: flat (b*S+i) positions of Omega, their targets, 1/0 weights
+  alpha [1]: the task/consistency blend (an input, so a run can override the export default)
 returns (loss, task_loss, consis_loss, h_k) with h_k detached.
 The readout (frozen final norm + lm_head) runs only on the N gathered rows."""
 from __future__ import annotations
@@ -59,7 +60,6 @@ class ChunkModel(nn.Module):
         self.rotary = base.model.rotary_emb
         self.norm = base.model.norm
         self.lm_head = base.lm_head
-        self.alpha = cfg.alpha
         S = cfg.seq_len
         self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)
 
@@ -78,7 +78,7 @@ class ChunkModel(nn.Module):
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos)
         return h
 
-    def local_loss(self, h_in, h, loss_index, loss_target, loss_weight):
+    def local_loss(self, h_in, h, loss_index, loss_target, loss_weight, alpha):
         d = h.shape[-1]
         z = self.readout(h.reshape(-1, d).index_select(0, loss_index))  # [N, V]
         logp = F.log_softmax(z, dim=-1)
@@ -89,19 +89,20 @@ class ChunkModel(nn.Module):
         task = (nll * loss_weight).sum() / denom
         kl = (logp.exp() * (logp - logq)).sum(-1)
         consis = (kl * loss_weight).sum() / denom
-        return self.alpha * task + (1.0 - self.alpha) * consis, task, consis
+        a = alpha.reshape(())
+        return a * task + (1.0 - a) * consis, task, consis
 
-    def forward(self, x, attention_mask, position_ids, loss_index, loss_target, loss_weight):
+    def forward(self, x, attention_mask, position_ids, loss_index, loss_target, loss_weight, alpha):
         h_in = self.embed(x) if self.is_first else x
         h = self.run_layers(h_in, attention_mask, position_ids)
         h = pipeline_marker(h)  # phase boundary: everything before it is phase 1
-        loss, task, consis = self.local_loss(h_in, h, loss_index, loss_target, loss_weight)
+        loss, task, consis = self.local_loss(h_in, h, loss_index, loss_target, loss_weight, alpha)
         return loss, task.detach(), consis.detach(), h.detach()
 
 
 def input_names(is_first: bool) -> list[str]:
     return ["input_ids" if is_first else "h_in", "attention_mask", "position_ids",
-            "loss_index", "loss_target", "loss_weight"]
+            "loss_index", "loss_target", "loss_weight", "alpha"]
 
 
 def example_inputs(chunk: ChunkModel, cfg: ExportConfig, vocab: int, hidden: int, seed: int = 0):
@@ -120,4 +121,4 @@ def example_inputs(chunk: ChunkModel, cfg: ExportConfig, vocab: int, hidden: int
     tgt[:n_valid] = torch.randint(0, vocab, (n_valid,), generator=g)
     w = torch.zeros(N)
     w[:n_valid] = 1.0
-    return (x, attn, pos, idx, tgt, w)
+    return (x, attn, pos, idx, tgt, w, torch.tensor([cfg.alpha]))

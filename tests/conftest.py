@@ -9,8 +9,8 @@ import pytest
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
-SMALL_LAYERS = 4
-SMALL_CHUNKS = "0-1,2-3"
+SMALL_LAYERS = 3
+SMALL_CHUNKS = "0-0,1-1,2-2"  # three one-layer chunks: three emulated phones
 
 
 def small_export_config(**kw):
@@ -41,10 +41,42 @@ def small_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_export(small_model_dir, tmp_path_factory):
-    """(out_dir, manifest, artifacts, cfg) of the small model exported in two chunks."""
+    """(out_dir, manifest, artifacts, cfg) of the small model exported in three chunks."""
     from exporter.export import export_model
 
     cfg = small_export_config()
     out = tmp_path_factory.mktemp("export") / "out"
     manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg)
     return out, manifest, artifacts, cfg
+
+
+def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int = 2, seq_len: int = 16):
+    """Synthetic-task micro-batches tokenised with the export's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from host.data import encode_examples, load_examples, make_microbatches
+
+    tok = AutoTokenizer.from_pretrained(export_dir / "tokenizer")
+    examples = load_examples(None)[:n_examples]
+    return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
+
+
+def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones: int = 3, on_event=None,
+                 phone_args=None):
+    """Start n emulated phones (real processes), run the coordinator to the end, stop them.
+    Returns (result, metrics records)."""
+    import json
+
+    from host.coordinator import Coordinator
+    from host.emulate import start_phones
+
+    phones = start_phones(n_phones, root / "phones", extra_args=phone_args)
+    try:
+        devices = [p.handle() for p in phones]
+        co = Coordinator(export_dir, devices, micro_batches, settings, root / "run", run_id="test", on_event=on_event)
+        result = co.run()
+    finally:
+        for p in phones:
+            p.stop()
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    return result, records

@@ -24,11 +24,11 @@ def _hf(artifacts):
 def test_manifest_lists_files_methods_and_versions(small_export):
     out, manifest, artifacts, cfg = small_export
     m = load_manifest(out)  # checks every file's size and sha256
-    assert [c["layers"] for c in m["chunks"]] == [[0, 1], [2, 3]]
+    assert [c["layers"] for c in m["chunks"]] == [[0, 0], [1, 1], [2, 2]]
     assert m["model"]["weights_sha256"] and len(m["model"]["weights_sha256"]) == 64
     assert set(m["versions"]) >= {"torch", "executorch", "zerolock"}
     assert m["export"]["alpha"] == cfg.alpha and m["export"]["seq_len"] == 16
-    c0, c1 = m["chunks"]
+    c0, c1, c2 = m["chunks"]
     assert c0["methods"]["phase1"]["inputs"][-3]["name"] == "input_ids"
     assert c1["methods"]["phase1"]["inputs"][-3] == {"name": "h_in", "shape": [2, 16, 64], "dtype": "float32"}
     assert c1["methods"]["phase1"]["outputs"][0] == {"name": "h_out", "shape": [2, 16, 64], "dtype": "float32"}

@@ -1,0 +1,237 @@
+"""The coordinator: wires the stages, feeds stage 0, watches heartbeats, recovers failed stages
+and gathers the trained LoRA. Hidden states go device to device; the host only coordinates."""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from exporter.manifest import load_manifest
+from zl_mobile.links import OutboundLink
+from zl_mobile.protocol import Message, MsgType
+
+from .client import DeviceClient, DeviceError, Event
+from .plan import RunSettings, assign_by_memory
+
+log = logging.getLogger("host.coordinator")
+
+
+class RunError(Exception):
+    pass
+
+
+@dataclass
+class DeviceHandle:
+    """A device the run may use. `restart` is set for emulated phones (the host owns the process)."""
+    name: str
+    endpoint: str
+    token: str
+    memory_bytes: int = 0
+    restart: Callable[[], str] | None = None  # returns the new endpoint
+
+
+@dataclass
+class StageState:
+    k: int
+    device: DeviceHandle
+    client: DeviceClient | None = None
+    meta: dict = field(default_factory=dict)
+    data_port: int = 0
+    committed: int = -1
+    last_mb: int = -1
+    failed_at: float | None = None
+    recoveries: list = field(default_factory=list)
+
+
+class Coordinator:
+    def __init__(self, export_dir: Path, devices: list[DeviceHandle], micro_batches: list[dict],
+                 settings: RunSettings, run_dir: Path, run_id: str | None = None, on_event=None):
+        self.export_dir = Path(export_dir)
+        self.manifest = load_manifest(self.export_dir)
+        self.chunks = self.manifest["chunks"]
+        self.settings = settings
+        self.micro_batches = micro_batches
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S")
+        self.events: "queue.Queue[Event]" = queue.Queue()
+        self.on_event = on_event or (lambda kind, data: None)
+        self.files = {f["path"]: f for f in self.manifest["files"]}
+        sizes = {p: f["size"] for p, f in self.files.items()}
+        ordered = assign_by_memory(self.chunks, devices, sizes)
+        self.stages = [StageState(k, d) for k, d in enumerate(ordered)]
+        self.link_tokens = [secrets.token_hex(32) for _ in range(len(self.chunks))]  # token of the link into stage k
+        self.metrics = open(self.run_dir / "metrics.jsonl", "a")
+        self.feeder: OutboundLink | None = None
+        self.errors: list[str] = []
+        self.started = time.time()
+
+    # ---- setup
+    def _connect(self, st: StageState) -> None:
+        st.client = DeviceClient(st.device.name, st.device.endpoint, st.device.token, self.events)
+        if st.client.hello["protocol_version"] != 1:
+            raise RunError(f"{st.device.name} speaks protocol {st.client.hello['protocol_version']}, this host 1: "
+                           "update the app or zl_mobile on the device")
+
+    def _push(self, st: StageState) -> None:
+        chunk = self.chunks[st.k]
+        for rel, kind in (("manifest.json", "manifest"), (chunk["program"], "program"),
+                          (chunk["weights"], "weights"), (chunk["lora_init"], "other")):
+            sha = self.files[rel]["sha256"] if rel in self.files else _sha(self.export_dir / rel)
+            sent = st.client.push_file(self.export_dir / rel, kind, sha)
+            self.on_event("push", {"stage": st.k, "device": st.device.name, "file": rel, "sent": sent})
+
+    def _assign(self, st: StageState) -> None:
+        s = self.settings
+        nxt = self.stages[st.k + 1] if st.k + 1 < len(self.stages) else None
+        conf = {"lr": s.lr, "weight_decay": s.weight_decay}
+        if s.alpha is not None:
+            conf["alpha"] = s.alpha
+        mine = [{"window": f["window"], "point": f.get("point", "after-phase1")}
+                for f in (s.inject_failure or []) if f.get("stage") == st.k]
+        if mine:
+            conf["inject_failure"] = mine
+        st.meta = {
+            "run_id": self.run_id, "stage": st.k, "num_stages": len(self.stages),
+            "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
+            "downstream": f"{nxt.client.address}:{nxt.data_port}" if nxt else None,
+            "program_sha256": self.files[self.chunks[st.k]["program"]]["sha256"],
+            "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": s.horizon,
+            "buffer_capacity": s.inflight_depth, "schedule": "zerolock",
+            "upstream_token": self.link_tokens[st.k], "config": conf,
+        }
+        if nxt:
+            st.meta["downstream_token"] = self.link_tokens[st.k + 1]
+        ack = st.client.assign(st.meta)
+        st.data_port = ack["data_port"]
+        st.committed = ack.get("committed_window", -1)
+
+    def setup(self) -> None:
+        for st in self.stages:
+            self._connect(st)
+            self.on_event("connected", {"stage": st.k, "device": st.device.name, "hello": st.client.hello.meta})
+        for st in self.stages:
+            self._push(st)
+        for st in reversed(self.stages):  # downstream first: each needs its neighbour's data port
+            self._assign(st)
+        self.feeder = OutboundLink("host-feed", self.link_tokens[0], window_size=self.settings.window_size,
+                                   replay_horizon=10**9, on_error=self._error)
+        for mb in range(self.settings.micro_batches):
+            self.feeder.publish(self._input_frame(mb))
+        self.feeder.set_address(f"{self.stages[0].client.address}:{self.stages[0].data_port}")
+
+    def _input_frame(self, mb: int) -> Message:
+        b = self.micro_batches[mb % len(self.micro_batches)]
+        return Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": mb // self.settings.window_size},
+                       {"h": b["input_ids"], "attention_mask": b["attention_mask"], "position_ids": b["position_ids"],
+                        "labels": b["labels"]})
+
+    def _error(self, text: str) -> None:
+        self.errors.append(text)
+        self.on_event("error", {"message": text})
+
+    # ---- main loop
+    def run(self) -> dict:
+        self.setup()
+        last = self.settings.windows - 1
+        while any(st.committed < last for st in self.stages):
+            try:
+                ev = self.events.get(timeout=0.5)
+            except queue.Empty:
+                ev = None
+            if ev is not None:
+                self._handle(ev)
+            self._check_heartbeats()
+            if self.errors and any("replay horizon passed" in e for e in self.errors):
+                raise RunError(self.errors[-1])
+        return self.finish()
+
+    def _stage_of(self, device_name: str) -> StageState:
+        return next(st for st in self.stages if st.device.name == device_name)
+
+    def _handle(self, ev: Event) -> None:
+        st = self._stage_of(ev.device)
+        if ev.msg is None:
+            if st.client is not None and not st.client.alive and st.failed_at is None:
+                self._recover(st, "connection lost")
+            return
+        msg = ev.msg
+        rec = {"t": ev.at, "device": ev.device, "stage": st.k, "type": msg.type.name, **msg.meta}
+        if msg.type == MsgType.TELEMETRY:
+            st.last_mb = max(st.last_mb, msg.get("micro_batch", -1))
+            if st.recoveries and st.recoveries[-1].get("caught_up") is None and st.last_mb >= st.recoveries[-1]["frontier"]:
+                st.recoveries[-1]["caught_up"] = time.time()
+                self.on_event("caught_up", {"stage": st.k, **st.recoveries[-1]})
+        elif msg.type == MsgType.CHECKPOINT_COMMITTED:
+            st.committed = max(st.committed, msg["window"])
+        elif msg.type == MsgType.ERROR:
+            self._error(f"{ev.device} (stage {st.k}): {msg['message']}")
+        self.metrics.write(json.dumps(rec) + "\n")
+        self.metrics.flush()
+        self.on_event(msg.type.name.lower(), rec)
+
+    def _check_heartbeats(self) -> None:
+        now = time.time()
+        for st in self.stages:
+            if st.client is not None and st.failed_at is None and now - st.client.last_heard > self.settings.heartbeat_timeout:
+                self._recover(st, f"no heartbeat for {now - st.client.last_heard:.1f} s")
+
+    # ---- recovery (the seed's Algorithm 3): only the failed stage restarts and replays
+    def _recover(self, st: StageState, why: str) -> None:
+        detected = time.time()
+        st.failed_at = detected
+        frontier = max(s.last_mb for s in self.stages)
+        self.on_event("failure", {"stage": st.k, "device": st.device.name, "why": why, "frontier": frontier})
+        st.client.close()
+        deadline = detected + self.settings.rejoin_timeout
+        while True:
+            try:
+                if st.device.restart is not None:
+                    st.device.endpoint = st.device.restart()
+                self._connect(st)
+                break
+            except (OSError, DeviceError) as e:
+                if time.time() > deadline:
+                    raise RunError(f"stage {st.k} ({st.device.name}) did not come back within "
+                                   f"{self.settings.rejoin_timeout:.0f} s after '{why}': restart the app on the phone "
+                                   f"and resume with zl-host run --resume {self.run_dir}") from None
+                self.on_event("waiting", {"stage": st.k, "device": st.device.name, "error": str(e)})
+                time.sleep(1.0)
+        self._push(st)
+        self._assign(st)  # resumes from its own checkpoint
+        if st.k == 0:
+            self.feeder.set_address(f"{st.client.address}:{st.data_port}")
+        else:  # only the upstream neighbour learns the new address; nobody rolls back
+            up = self.stages[st.k - 1]
+            up.meta["downstream"] = f"{st.client.address}:{st.data_port}"
+            up.client.assign({k: v for k, v in up.meta.items() if k != "request_id"})
+        st.failed_at = None
+        st.recoveries.append({"why": why, "detected": detected, "rejoined": time.time(), "frontier": frontier,
+                              "resumed_after_window": st.committed, "caught_up": None})
+        self.on_event("rejoined", {"stage": st.k, "device": st.device.name, "resumed_after_window": st.committed})
+
+    # ---- the end
+    def finish(self) -> dict:
+        lora = {}
+        for st in self.stages:
+            reply = st.client.get_state("lora")
+            lora.update({k: np.array(v) for k, v in reply.tensors.items()})
+        for st in self.stages:
+            st.client.shutdown()
+        if self.feeder:
+            self.feeder.close()
+        self.metrics.close()
+        return {"lora": lora, "recoveries": {st.k: st.recoveries for st in self.stages},
+                "seconds": time.time() - self.started, "errors": self.errors}
+
+
+def _sha(path: Path) -> str:
+    from exporter.manifest import sha256_file
+    return sha256_file(path)

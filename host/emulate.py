@@ -1,0 +1,111 @@
+"""Emulated phones: real zl-phone processes on this machine, started and restarted by the host."""
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class EmulatorError(Exception):
+    pass
+
+
+@dataclass
+class EmulatedPhone:
+    name: str
+    workdir: Path
+    token: str
+    extra_args: list = field(default_factory=list)
+    port: int = 0
+    proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "EmulatedPhone":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / "phone.log"
+        cmd = [sys.executable, "-m", "zl_mobile.phone", "--name", self.name, "--workdir", str(self.workdir),
+               "--token", self.token, "--port", str(self.port), *self.extra_args]
+        log = open(self.log_path, "ab")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        deadline = time.time() + timeout
+        port = None
+        while time.time() < deadline:
+            line = self.proc.stdout.readline().decode()
+            if not line:
+                break
+            if "listening on" in line:
+                port = int(line.split("listening on ")[1].split(",")[0].rpartition(":")[2])
+            if line.startswith("advertised") or ("--mdns" in self.extra_args and port):
+                break
+        if port is None:
+            self.stop()
+            raise EmulatorError(f"emulated phone {self.name} did not start within {timeout:.0f} s; see {self.log_path}")
+        self.port = port
+        threading.Thread(target=self._drain, daemon=True).start()
+        return self
+
+    def _drain(self) -> None:
+        proc = self.proc
+        for _ in iter(proc.stdout.readline, b""):
+            pass
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        if self.alive():
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+    def restart(self) -> str:
+        """Kill (if still running) and start again with the same work dir, token and port."""
+        self.kill()
+        return self.start().endpoint
+
+    def handle(self):
+        from .coordinator import DeviceHandle
+
+        return DeviceHandle(self.name, self.endpoint, self.token, _memory_bytes(), restart=self.restart)
+
+
+def _memory_bytes() -> int:
+    from zl_mobile.telemetry import total_memory_bytes
+
+    return total_memory_bytes()
+
+
+def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_phone_args=None) -> list[EmulatedPhone]:
+    """Start n phones; with 2+ cores each phone is pinned to its own core (round robin)."""
+    phones = []
+    cores = sorted(os.sched_getaffinity(0))
+    try:
+        for i in range(n):
+            args = list(extra_args or [])
+            if per_phone_args:
+                args += per_phone_args(i)
+            elif len(cores) > 1:
+                args += ["--cpus", str(cores[i % len(cores)]), "--threads", "1"]
+            phones.append(EmulatedPhone(f"{prefix}{i}", Path(root) / f"{prefix}{i}", secrets.token_hex(32), args).start())
+    except BaseException:
+        for p in phones:
+            p.stop()
+        raise
+    return phones

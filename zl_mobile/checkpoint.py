@@ -1,0 +1,118 @@
+"""A stage's own checkpoint: LoRA + AdamW state + progress, committed atomically.
+
+Commit protocol: write ckpt-W.safetensors.tmp, fsync, rename to ckpt-W.safetensors, fsync the
+directory, then atomically replace COMMITTED (a small JSON naming the file and its sha256).
+Only COMMITTED says what exists: a crash at any point leaves the previous commit in force, so a
+window is never lost (it is redone from the previous commit) and never applied twice."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+POINTER = "COMMITTED"
+
+
+class CheckpointError(Exception):
+    pass
+
+
+@dataclass
+class Checkpoint:
+    window: int           # last committed update window (-1: none)
+    step: int             # optimizer steps applied
+    lora: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    meta: dict
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class CheckpointStore:
+    def __init__(self, directory: Path, keep: int = 2):
+        self.dir = Path(directory)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+        self.fail_hook = None  # test/benchmark fault injection: called with a point name
+
+    def _hook(self, point: str) -> None:
+        if self.fail_hook:
+            self.fail_hook(point)
+
+    def commit(self, ckpt: Checkpoint) -> str:
+        """Durably write `ckpt` and record it as committed; returns its sha256."""
+        name = f"ckpt-{ckpt.window:08d}.safetensors"
+        final, tmp = self.dir / name, self.dir / (name + ".tmp")
+        tensors = {f"lora/{k}": v.contiguous() for k, v in ckpt.lora.items()}
+        tensors.update({f"opt/{k}": v.contiguous() for k, v in ckpt.optimizer.items()})
+        meta = {"window": str(ckpt.window), "step": str(ckpt.step), "meta": json.dumps(ckpt.meta)}
+        save_file(tensors, str(tmp), metadata=meta)
+        self._hook("mid-checkpoint")
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        _fsync_dir(self.dir)
+        digest = _sha256(final)
+        pointer_tmp = self.dir / (POINTER + ".tmp")
+        pointer_tmp.write_text(json.dumps({"window": ckpt.window, "step": ckpt.step, "file": name, "sha256": digest}))
+        with open(pointer_tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(pointer_tmp, self.dir / POINTER)
+        _fsync_dir(self.dir)
+        self._prune(keep_name=name)
+        return digest
+
+    def _prune(self, keep_name: str) -> None:
+        files = sorted(self.dir.glob("ckpt-*.safetensors"))
+        for f in files[:-self.keep]:
+            if f.name != keep_name:
+                f.unlink(missing_ok=True)
+        for f in self.dir.glob("*.tmp"):
+            f.unlink(missing_ok=True)
+
+    def pointer(self) -> dict | None:
+        p = self.dir / POINTER
+        if not p.exists():
+            return None
+        try:
+            return json.loads(p.read_text())
+        except json.JSONDecodeError:
+            raise CheckpointError(f"{p} is not valid JSON: the stage's checkpoint record is corrupt; "
+                                  "delete the stage work dir to restart this stage from scratch") from None
+
+    def load(self) -> Checkpoint | None:
+        """The last committed checkpoint, or None. Uncommitted files are ignored."""
+        ptr = self.pointer()
+        if ptr is None:
+            return None
+        path = self.dir / ptr["file"]
+        if not path.exists() or _sha256(path) != ptr["sha256"]:
+            raise CheckpointError(f"committed checkpoint {path} is missing or does not match its sha256: "
+                                  "storage is corrupt; delete the stage work dir to restart the stage")
+        tensors = load_file(str(path))
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+        return Checkpoint(window=int(meta["window"]), step=int(meta["step"]),
+                          lora={k[5:]: v for k, v in tensors.items() if k.startswith("lora/")},
+                          optimizer={k[4:]: v for k, v in tensors.items() if k.startswith("opt/")},
+                          meta=json.loads(meta["meta"]))

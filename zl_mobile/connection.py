@@ -1,0 +1,54 @@
+"""A socket plus a send lock: several threads (worker, heartbeat, reader) share one connection."""
+from __future__ import annotations
+
+import socket
+import threading
+
+from .protocol import DEFAULT_MAX_FRAME, Message, recv_message, send_message
+
+
+class Connection:
+    def __init__(self, sock: socket.socket, limiter=None, max_frame: int = DEFAULT_MAX_FRAME):
+        self.sock = sock
+        self.limiter = limiter
+        self.max_frame = max_frame
+        self._lock = threading.Lock()
+        self.bytes_out = 0
+        self.bytes_in = 0
+        self.closed = False
+
+    def send(self, msg: Message) -> int:
+        with self._lock:
+            n = send_message(self.sock, msg, limiter=self.limiter)
+            self.bytes_out += n
+            return n
+
+    def try_send(self, msg: Message) -> bool:
+        """Send, or return False if the peer is gone (best-effort messages like telemetry)."""
+        try:
+            self.send(msg)
+            return True
+        except OSError:
+            return False
+
+    def recv(self) -> Message:
+        msg = recv_message(self.sock, max_frame=self.max_frame)
+        return msg
+
+    def close(self) -> None:
+        self.closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+def connect(address: str, timeout: float = 5.0) -> socket.socket:
+    host, _, port = address.rpartition(":")
+    sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock.settimeout(None)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    # room for a few hidden states in the kernel, so a send returns while the bytes go out
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    return sock

@@ -1,0 +1,316 @@
+"""Stage-to-stage hidden-state links.
+
+OutboundLink (upstream side, the TCP client): keeps every hidden state it produced in a replay
+buffer until the downstream stage has committed the window that used it (or the buffer passes
+its replay horizon), and sends them in micro-batch order as the downstream grants credits.
+On (re)connection the downstream first says which micro-batch it needs next (REPLAY_REQUEST),
+so a restarted stage gets exactly its gap again and nothing is sent twice to a live one.
+
+InboundLink (downstream side, the TCP server): accepts one upstream at a time, announces its
+resume point, grants credits, and hands HIDDEN_STATE frames to the stage's inbound queue.
+
+The host feeding stage 0 is an OutboundLink too, so stage 0 is not a special case."""
+from __future__ import annotations
+
+import collections
+import logging
+import socket
+import threading
+import time
+
+from .connection import Connection, connect
+from .protocol import (ConnectionClosed, DeviceAuth, Message, MsgType, ProtocolError, device_handshake,
+                       host_handshake)
+
+log = logging.getLogger("zl_mobile.links")
+NO_END = 2**53  # "to the end" in REPLAY_REQUEST
+
+
+class ReplayHorizonPassed(Exception):
+    """A replay needs hidden states that were already pruned."""
+
+
+class OutboundLink:
+    def __init__(self, name: str, token: str, *, window_size: int, replay_horizon: int,
+                 limiter=None, on_error=None, on_committed=None):
+        self.name = name
+        self.token = token
+        self.window_size = window_size
+        self.replay_horizon = replay_horizon
+        self.limiter = limiter
+        self.on_error = on_error or (lambda msg: log.error(msg))
+        self.on_committed = on_committed or (lambda meta: None)
+        self._address: str | None = None
+        self._buffer: collections.OrderedDict[int, Message] = collections.OrderedDict()
+        self._pruned_below = 0      # every micro-batch < this was dropped from the buffer
+        self._next = None           # next micro-batch the downstream wants (None: not connected)
+        self._credits = 0
+        self._cond = threading.Condition()
+        self._send_lock = threading.Lock()
+        self._stop = False
+        self._conn: Connection | None = None
+        self.bytes_sent = 0
+        self.frames_sent = 0
+        self.downstream_committed = -1
+        self.sent_at: dict[int, float] = {}
+        self._thread = threading.Thread(target=self._run, name=f"out-{name}", daemon=True)
+        self._thread.start()
+
+    # --- producer side
+    def set_address(self, address: str | None) -> None:
+        with self._cond:
+            if address != self._address:
+                self._address = address
+                if self._conn is not None:
+                    self._conn.close()
+            self._cond.notify_all()
+
+    def publish(self, msg: Message) -> None:
+        mb = msg["micro_batch"]
+        with self._cond:
+            self._buffer[mb] = msg
+            while len(self._buffer) > self.replay_horizon:
+                old, _ = self._buffer.popitem(last=False)
+                self._pruned_below = old + 1
+            self._cond.notify_all()
+
+    def buffered(self) -> list[int]:
+        with self._cond:
+            return list(self._buffer)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+            if self._conn is not None:
+                self._conn.close()
+
+    # --- link thread
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and self._address is None:
+                    self._cond.wait()
+                if self._stop:
+                    return
+                address = self._address
+            try:
+                sock = connect(address, timeout=2.0)
+                host_handshake(sock, self.token, host_name=self.name)
+            except (OSError, ProtocolError) as e:
+                log.debug("%s: connecting to %s failed (%s); retrying", self.name, address, e)
+                time.sleep(0.2)
+                continue
+            conn = Connection(sock, limiter=self.limiter)
+            with self._cond:
+                self._conn, self._next, self._credits = conn, None, 0
+            reader = threading.Thread(target=self._read, args=(conn,), name=f"out-read-{self.name}", daemon=True)
+            reader.start()
+            try:
+                self._send_loop(conn)
+            except (OSError, ProtocolError, ConnectionClosed) as e:
+                log.info("%s: link to %s dropped (%s)", self.name, address, e)
+            finally:
+                conn.close()
+                with self._cond:
+                    if self._conn is conn:
+                        self._conn, self._next = None, None
+                reader.join(timeout=1.0)
+
+    def _sendable(self) -> bool:
+        return self._next is not None and self._credits > 0 and self._next in self._buffer
+
+    def _send_one(self, conn: Connection) -> bool:
+        """Send the next hidden state if a credit allows; one sender at a time keeps the order."""
+        with self._send_lock:
+            with self._cond:
+                if conn.closed or self._conn is not conn or not self._sendable():
+                    return False
+                mb = self._next
+                msg = self._buffer[mb]
+                self._credits -= 1
+                self._next = mb + 1
+            n = conn.send(msg)
+            with self._cond:
+                self.bytes_sent += n
+                self.frames_sent += 1
+                self.sent_at[mb] = time.time()
+            return True
+
+    def pump(self) -> None:
+        """Send what can go now, from the caller's thread. The stage calls this right after
+        phase 1: ExecuTorch holds the GIL while a method runs, so a background sender would
+        only get to run after phase 2; bytes handed to the kernel go out while phase 2 runs."""
+        conn = self._conn
+        if conn is None:
+            return
+        try:
+            while self._send_one(conn):
+                pass
+        except OSError:
+            conn.close()
+
+    def _send_loop(self, conn: Connection) -> None:
+        while True:
+            with self._cond:
+                while not (self._stop or conn.closed or self._sendable()):
+                    self._cond.wait(timeout=0.5)
+                if self._stop or conn.closed:
+                    return
+            self._send_one(conn)
+
+    def _read(self, conn: Connection) -> None:
+        try:
+            while True:
+                msg = conn.recv()
+                with self._cond:
+                    if msg.type == MsgType.CREDIT:
+                        self._credits += msg["credits"]
+                    elif msg.type == MsgType.REPLAY_REQUEST:
+                        start = msg["from_micro_batch"]
+                        if start < self._pruned_below:  # never silently skipped
+                            self.on_error(f"replay horizon passed: micro-batches {start}-{self._pruned_below - 1} "
+                                          f"needed downstream of {self.name} were pruned and are lost; "
+                                          "raise the replay horizon (buffer) to cover a failure")
+                            start = self._pruned_below
+                        self._next = start
+                    elif msg.type == MsgType.CHECKPOINT_COMMITTED:
+                        # the downstream durably used everything up to this window: prune it
+                        w = msg["window"]
+                        self.downstream_committed = max(self.downstream_committed, w)
+                        for mb in [k for k in self._buffer if k // self.window_size <= w]:
+                            del self._buffer[mb]
+                        self.on_committed(msg.meta)
+                    elif msg.type == MsgType.ERROR:
+                        log.error("%s: downstream error %s: %s", self.name, msg["code"], msg["message"])
+                    self._cond.notify_all()
+        except (OSError, ProtocolError, ConnectionClosed):
+            conn.close()
+            with self._cond:
+                self._cond.notify_all()
+
+
+class InboundQueue:
+    """Hidden states received from upstream, by micro-batch id, bounded by the credits granted."""
+
+    def __init__(self):
+        self._items: dict[int, Message] = {}
+        self._cond = threading.Condition()
+        self._stop = False
+
+    def put(self, msg: Message) -> None:
+        with self._cond:
+            self._items[msg["micro_batch"]] = msg
+            self._cond.notify_all()
+
+    def take(self, mb: int, timeout: float | None = None) -> Message | None:
+        """Wait for micro-batch `mb`; earlier ids still queued are discarded (already done)."""
+        deadline = None if timeout is None else time.time() + timeout
+        with self._cond:
+            while mb not in self._items and not self._stop:
+                left = None if deadline is None else deadline - time.time()
+                if left is not None and left <= 0:
+                    return None
+                self._cond.wait(timeout=left if left is not None else 0.5)
+            if self._stop and mb not in self._items:
+                return None
+            for k in [k for k in self._items if k < mb]:
+                del self._items[k]
+            return self._items.pop(mb)
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._items)
+
+    def next_after(self, mb: int) -> int:
+        """The first micro-batch not yet here, counting from `mb` (the resume point)."""
+        with self._cond:
+            while mb in self._items:
+                mb += 1
+            return mb
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+
+
+class InboundLink:
+    """Listens for the upstream stage (or the host, for stage 0) on a data port."""
+
+    def __init__(self, name: str, token: str, queue: InboundQueue, *, inflight_depth: int,
+                 next_needed, port: int = 0, bind: str = "0.0.0.0"):
+        self.name = name
+        self.queue = queue
+        self.inflight_depth = inflight_depth
+        self.next_needed = next_needed  # callable: the micro-batch this stage needs next
+        self.auth = DeviceAuth(token, name)
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((bind, port))
+        self._sock.listen(4)
+        self.port = self._sock.getsockname()[1]
+        self._conn: Connection | None = None
+        self._stop = False
+        self.bytes_received = 0
+        self.received_at: dict[int, float] = {}
+        threading.Thread(target=self._accept, name=f"in-{name}", daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._stop:
+            try:
+                sock, _ = self._sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        hello = Message(MsgType.HELLO, {"name": self.name, "protocol_version": 1, "runtime_version": "zl_mobile",
+                                        "memory_bytes": 0, "capabilities": ["link"]})
+        try:
+            hs = device_handshake(sock, self.auth, hello)
+        except (OSError, ProtocolError, ConnectionClosed) as e:
+            log.warning("%s: refused an upstream link: %s", self.name, e)
+            sock.close()
+            return
+        conn = Connection(sock)
+        self._conn = conn
+        try:
+            conn.send(Message(MsgType.REPLAY_REQUEST, {"from_micro_batch": self.next_needed(), "to_micro_batch": NO_END}))
+            free = self.inflight_depth - len(self.queue)
+            if free > 0:
+                conn.send(Message(MsgType.CREDIT, {"credits": free}))
+            while not self._stop:
+                msg = conn.recv()
+                if msg.type != MsgType.HIDDEN_STATE:
+                    raise ProtocolError("UNEXPECTED", f"{msg.type.name} on a hidden-state link; only HIDDEN_STATE is sent downstream")
+                self.bytes_received += sum(getattr(t, "nbytes", 0) for t in msg.tensors.values())
+                self.received_at[msg["micro_batch"]] = time.time()
+                self.queue.put(msg)
+        except ProtocolError as e:
+            log.warning("%s: upstream link error: %s", self.name, e)
+            conn.try_send(e.to_message())
+        except (OSError, ConnectionClosed):
+            pass
+        finally:
+            hs.close()
+            conn.close()
+            if self._conn is conn:
+                self._conn = None
+
+    def grant(self, n: int = 1) -> None:
+        """Return credits upstream as inbound entries are consumed."""
+        conn = self._conn
+        if conn is not None:
+            conn.try_send(Message(MsgType.CREDIT, {"credits": n}))
+
+    def committed(self, window: int, step: int, sha: str) -> None:
+        conn = self._conn
+        if conn is not None:
+            conn.try_send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": window, "step": step, "sha256": sha}))
+
+    def close(self) -> None:
+        self._stop = True
+        self._sock.close()
+        if self._conn is not None:
+            self._conn.close()

@@ -1,0 +1,99 @@
+"""zl-phone: turn this process into an emulated phone that serves one ZeroLock host.
+
+It advertises itself over mDNS, keeps what it is sent in its work dir, prints its pairing
+token, and runs its chunk on ExecuTorch's runtime. Thread caps, CPU pinning and an outgoing
+rate limit make several emulated phones on one machine behave like separate devices."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import sys
+from pathlib import Path
+
+
+def load_or_create_token(workdir: Path, given: str | None) -> str:
+    path = workdir / "pairing_token"
+    if given:
+        from .protocol import parse_token
+        parse_token(given)  # validates: 64 hex digits
+        path.write_text(given)
+        return given
+    if path.exists():
+        return path.read_text().strip()
+    token = secrets.token_hex(32)
+    path.write_text(token)
+    path.chmod(0o600)
+    return token
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="zl-phone", description=__doc__)
+    p.add_argument("--name", required=True, help="device name shown to the host")
+    p.add_argument("--port", type=int, default=0, help="control port (0: any free port)")
+    p.add_argument("--workdir", type=Path, default=None, help="storage (default ~/.zerolock/phones/NAME)")
+    p.add_argument("--token", default=None, help="pairing token (64 hex digits); default: generated once and kept")
+    p.add_argument("--threads", type=int, default=None, help="cap compute threads")
+    p.add_argument("--cpus", default=None, help="pin to these CPU cores, e.g. 0 or 0,1")
+    p.add_argument("--rate-mbit", type=float, default=None, help="shape outgoing links to this many Mbit/s")
+    p.add_argument("--mdns", default="loopback", help="advertise on: loopback (default), all, none, or an IPv4 address")
+    p.add_argument("--bind", default="127.0.0.1", help="address to listen on (0.0.0.0 for a LAN)")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
+                        format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
+    if a.cpus:
+        os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
+    threads = a.threads or (len(a.cpus.split(",")) if a.cpus else None)
+    if threads:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    workdir = a.workdir or Path.home() / ".zerolock" / "phones" / a.name
+    workdir.mkdir(parents=True, exist_ok=True)
+    token = load_or_create_token(workdir, a.token)
+
+    import torch  # after the affinity/thread settings
+
+    if threads:
+        torch.set_num_threads(threads)
+        try:
+            from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+            _unsafe_reset_threadpool(threads)
+        except ImportError:
+            pass
+    from .device import Device, serve
+    from .mdns import Advertisement, txt_record
+    from .protocol import RateLimiter
+    from .telemetry import total_memory_bytes
+
+    limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
+    device = Device(a.name, workdir, token, limiter=limiter)
+    adverts = []
+
+    def ready(port: int) -> None:
+        print(f"zl-phone {a.name}: listening on {a.bind}:{port}, work dir {workdir}", flush=True)
+        print(f"pairing token: {token}", flush=True)
+        if a.mdns != "none":
+            interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
+            address = a.bind if a.bind != "0.0.0.0" else "127.0.0.1"
+            adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, "zl_mobile", total_memory_bytes()),
+                                         address=address, interfaces=interfaces))
+            print(f"advertised as {a.name}._zerolock._tcp.local. on {a.mdns}", flush=True)
+
+    try:
+        serve(device, a.port, bind=a.bind, ready=ready)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for ad in adverts:
+            ad.close()
+        device.stop_stage()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,75 @@
+"""What a device reports about itself: memory (PSS), temperature, and where time went."""
+from __future__ import annotations
+
+import glob
+import time
+from pathlib import Path
+
+
+def read_pss_bytes(pid: str | int = "self") -> int | None:
+    """PSS from /proc/<pid>/smaps_rollup (Linux and Android); None where unavailable."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def read_temperature_c() -> float | None:
+    """The hottest thermal zone (or a battery supply's temp), if the hardware exposes one.
+    None means unavailable: a temperature is never invented."""
+    best = None
+    for path in glob.glob("/sys/class/thermal/thermal_zone*/temp") + glob.glob("/sys/class/power_supply/*/temp"):
+        try:
+            raw = int(Path(path).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        # thermal zones report millidegrees, power supplies tenths of a degree
+        c = raw / 1000.0 if "thermal_zone" in path else raw / 10.0
+        if -40.0 < c < 150.0:
+            best = c if best is None else max(best, c)
+    return best
+
+
+def total_memory_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class ActivityClock:
+    """Splits wall time into active (computing) and waiting, for the active/wait timeline."""
+
+    def __init__(self):
+        self.active_s = 0.0
+        self.wait_s = 0.0
+        self.spans: list[tuple[str, float, float]] = []  # (kind, start, end) in time.time()
+
+    def span(self, kind: str):
+        clock = self
+
+        class _Span:
+            def __enter__(self):
+                self.t0 = time.time()
+                return self
+
+            def __exit__(self, *exc):
+                t1 = time.time()
+                if kind == "wait":
+                    clock.wait_s += t1 - self.t0
+                else:
+                    clock.active_s += t1 - self.t0
+                clock.spans.append((kind, self.t0, t1))
+                return False
+
+        return _Span()
+
+    def drain_spans(self) -> list:
+        spans, self.spans = self.spans, []
+        return spans
