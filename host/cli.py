@@ -1,0 +1,285 @@
+"""zl-host: find the phones, push the programs, run the pipeline, show what happens."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+console = Console(stderr=True, soft_wrap=True)
+
+
+class CliError(Exception):
+    """A one-line error for the user."""
+
+
+# ---------------------------------------------------------------- devices / emulate
+def cmd_devices(a) -> int:
+    from .devices import as_json, find_devices
+
+    found, notes = find_devices(timeout=a.timeout, interfaces=a.mdns)
+    if a.json:
+        print(as_json(found))
+        return 0
+    if not found:
+        print("no devices found. Looked at: " + "; ".join(notes))
+        return 0
+    for f in found:
+        print(f"{f.name:16} {f.source:5} {f.endpoint or f.serial or '-':22} proto {f.protocol or '?'}  "
+              f"{f.runtime:16} {f.memory_bytes / 2**30:.1f} GiB")
+    print("looked at: " + "; ".join(notes))
+    return 0
+
+
+def cmd_emulate(a) -> int:
+    from .emulate import start_phones
+    from .devices import PHONES_HOME
+
+    phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix)
+    for p in phones:
+        print(f"{p.name}: {p.endpoint} pid {p.proc.pid}, work dir {p.workdir}")
+    pids = " ".join(str(p.proc.pid) for p in phones)
+    print(f"{a.n} emulated phone(s) running, advertised over mDNS on loopback. Stop them with: kill {pids}"
+          " (or Ctrl-C here)")
+    try:
+        while all(p.alive() for p in phones):
+            time.sleep(1.0)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for p in phones:
+            p.stop()
+    return 0
+
+
+# ---------------------------------------------------------------- data
+def prepare_data(export_dir: Path, manifest: dict, data: str | None):
+    from transformers import AutoTokenizer
+
+    from .data import DataError, encode_examples, load_examples, make_microbatches
+
+    tok_dir = export_dir / "tokenizer"
+    if not tok_dir.is_dir():
+        raise CliError(f"{export_dir} has no tokenizer/ folder: export from a model directory with tokenizer files")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    if data is None and manifest["model"]["source"] != "tiny":
+        raise CliError("--data FILE is required for this model (the built-in synthetic set matches only --model tiny)")
+    try:
+        examples = load_examples(data)
+        e = manifest["export"]
+        encoded = encode_examples(examples, tok, e["seq_len"])
+        mbs = make_microbatches(encoded, e["micro_batch"], e["seq_len"], tok.pad_token_id, drop_last=False)
+    except DataError as err:
+        raise CliError(str(err)) from None
+    if not mbs:
+        raise CliError(f"{data or 'the synthetic set'} gave no usable rows after tokenisation: check the file's format")
+    return mbs
+
+
+# ---------------------------------------------------------------- run
+def parse_failures(specs: list[str]) -> list[dict]:
+    from zl_mobile.stage import FAILURE_POINTS
+
+    out = []
+    for spec in specs or []:
+        try:
+            d = dict(part.split("=", 1) for part in spec.split(","))
+            f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": d.get("point", "after-phase1")}
+        except (KeyError, ValueError):
+            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...]") from None
+        if f["point"] not in FAILURE_POINTS:
+            raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join(FAILURE_POINTS)}")
+        out.append(f)
+    return out
+
+
+def _load_resume(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "run.json").read_text())
+    except FileNotFoundError:
+        raise CliError(f"cannot resume: {run_dir} has no run.json (not a zl-host run dir); give the --out of an earlier run") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CliError(f"cannot resume: {run_dir / 'run.json'} is unreadable ({e}); start a new run instead") from None
+
+
+def cmd_run(a) -> int:
+    from exporter.manifest import ManifestError, load_manifest
+
+    from .adapter import base_model_path, write_peft_adapter
+    from .coordinator import Coordinator, RunError
+    from .plan import PlanError, RunSettings
+    from .report import write_report
+
+    if a.resume:
+        run_dir = Path(a.resume)
+        saved = _load_resume(run_dir)
+        program, data, devices_spec = Path(saved["program"]), saved["data"], saved["devices"]
+        settings = RunSettings(**saved["settings"])
+        run_id = saved["run_id"]
+    else:
+        if not a.program:
+            raise CliError("--program DIR is required (the output of zl-export)")
+        program, data, devices_spec = Path(a.program), a.data, a.devices
+        run_dir = Path(a.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
+        run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        settings = None
+    try:
+        manifest = load_manifest(program)
+    except ManifestError as e:
+        raise CliError(str(e)) from None
+    mbs = prepare_data(program, manifest, data)
+    from .evaluate import split_held_out
+    train, held_out = split_held_out(mbs)
+    if settings is None:
+        windows = a.steps
+        if a.micro_batches:
+            windows = max(1, a.micro_batches // a.window)
+        elif a.epochs:
+            windows = max(1, round(a.epochs * len(train) / a.window))
+        settings = RunSettings(windows=windows, window_size=a.window, lr=a.lr, alpha=a.alpha,
+                               inflight_depth=a.inflight, heartbeat_timeout=a.heartbeat_timeout,
+                               inject_failure=parse_failures(a.inject_failure))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    k = len(manifest["chunks"])
+
+    phones = []
+    if devices_spec.startswith("emulated:"):
+        from .emulate import EmulatedPhone, start_phones
+
+        n = int(devices_spec.split(":", 1)[1])
+        if n < k:
+            raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
+        if a.resume and saved.get("phones"):
+            phones = [EmulatedPhone(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"]) for p in saved["phones"]]
+            for p in phones:
+                p.start()
+        else:
+            console.print(f"starting {n} emulated phones")
+            phones = start_phones(n, run_dir / "phones")
+        handles = [p.handle() for p in phones]
+    else:
+        from .devices import DeviceLookupError, load_tokens, resolve
+
+        try:
+            handles = resolve(devices_spec, k, load_tokens(a.tokens), a.wait, a.mdns)
+        except DeviceLookupError as e:
+            raise CliError(str(e)) from None
+    record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
+              "settings": settings.to_json(),
+              "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
+                          "port": p.port} for p in phones]}
+    (run_dir / "run.json").write_text(json.dumps(record, indent=2))
+    (run_dir / "run.json").chmod(0o600)  # holds pairing tokens
+
+    from rich.live import Live
+
+    from .live import LiveView
+
+    view = LiveView(k, settings.micro_batches, manifest["export"]["micro_batch"])
+    try:
+        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=view.on_event)
+        with Live(view, console=console, refresh_per_second=4, transient=False):
+            result = co.run()
+    except (PlanError, RunError) as e:
+        raise CliError(str(e)) from None
+    finally:
+        for p in phones:
+            p.stop()
+    base = base_model_path(program, manifest)
+    adapter_dir = write_peft_adapter(result["lora"], manifest, run_dir / "adapter", base)
+    rows = settings.micro_batches * manifest["export"]["micro_batch"]
+    summary = {"run_id": run_id, "program": str(program), "data": data or "synthetic", "windows": settings.windows,
+               "window_size": settings.window_size, "micro_batches": settings.micro_batches, "lr": settings.lr,
+               "seconds": result["seconds"], "samples_per_s": rows / result["seconds"],
+               "recoveries": sum(len(v) for v in result["recoveries"].values()), "errors": result["errors"]}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    report = write_report(run_dir, summary)
+    console.print(f"adapter: {adapter_dir}  report: {report}  metrics: {run_dir / 'metrics.jsonl'}")
+    return 0
+
+
+# ---------------------------------------------------------------- eval
+def cmd_eval(a) -> int:
+    from exporter.manifest import ManifestError, load_manifest
+
+    from .adapter import base_model_path
+    from .evaluate import evaluate, split_held_out
+
+    program = Path(a.program)
+    try:
+        manifest = load_manifest(program, check_files=False)
+    except ManifestError as e:
+        raise CliError(str(e)) from None
+    adapter = Path(a.adapter)
+    if not (adapter / "adapter_config.json").is_file():
+        raise CliError(f"{adapter} has no adapter_config.json: pass the adapter/ folder of a zl-host run")
+    base = base_model_path(program, manifest)
+    if base is None or not Path(base).is_dir():
+        raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
+    _, held_out = split_held_out(prepare_data(program, manifest, a.data))
+    before = evaluate(base, None, held_out)
+    after = evaluate(base, adapter, held_out)
+    print(f"held-out answer tokens: {after['tokens']}")
+    print(f"base model:    NLL {before['nll']:.4f}  accuracy {before['accuracy']:.3f}")
+    print(f"with adapter:  NLL {after['nll']:.4f}  accuracy {after['accuracy']:.3f}")
+    return 0
+
+
+# ---------------------------------------------------------------- main
+def build_parser():
+    p = argparse.ArgumentParser(prog="zl-host", description=__doc__)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("devices", help="list reachable phones (mDNS and adb)")
+    d.add_argument("--json", action="store_true")
+    d.add_argument("--timeout", type=float, default=2.0)
+    d.add_argument("--mdns", default="loopback", help="interfaces to browse: loopback, all, or an IPv4 address")
+    d.set_defaults(func=cmd_devices)
+    e = sub.add_parser("emulate", help="start N emulated phones (zl-phone processes)")
+    e.add_argument("n", type=int)
+    e.add_argument("--prefix", default="emu")
+    e.set_defaults(func=cmd_emulate)
+    r = sub.add_parser("run", help="train: ZeroLock over the phones")
+    r.add_argument("--program", help="zl-export output dir")
+    r.add_argument("--data", default=None, help="AG News CSV or JSONL; omit for the tiny model's synthetic set")
+    r.add_argument("--devices", default="auto", help="auto | emulated:N | NAME,NAME,...")
+    r.add_argument("--steps", type=int, default=8, help="optimizer steps (update windows)")
+    r.add_argument("--epochs", type=float, default=None, help="instead of --steps: passes over the training data")
+    r.add_argument("--micro-batches", type=int, default=None, help="instead of --steps: total micro-batches")
+    r.add_argument("--window", type=int, default=4, help="micro-batches per update window")
+    r.add_argument("--inflight", type=int, default=2, help="hidden states in flight between neighbours")
+    r.add_argument("--lr", type=float, default=2e-3)
+    r.add_argument("--alpha", type=float, default=None, help="override the export's task/consistency blend")
+    r.add_argument("--out", default=None, help="run dir (default runs/TIMESTAMP)")
+    r.add_argument("--resume", default=None, help="continue the run in RUN_DIR")
+    r.add_argument("--tokens", default=None, help="JSON file NAME -> pairing token")
+    r.add_argument("--wait", type=float, default=30.0, help="seconds to wait for enough devices")
+    r.add_argument("--mdns", default="loopback", help="interfaces to browse: loopback, all, or an IPv4 address")
+    r.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]")
+    r.set_defaults(func=cmd_run)
+    v = sub.add_parser("eval", help="held-out accuracy and NLL with the trained adapter")
+    v.add_argument("--program", required=True)
+    v.add_argument("--adapter", required=True)
+    v.add_argument("--data", default=None)
+    v.set_defaults(func=cmd_eval)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    try:
+        return a.func(a)
+    except CliError as e:
+        console.print(f"zl-host: error: {e}", style="red", markup=False)
+        return 2
+    except KeyboardInterrupt:
+        console.print("zl-host: interrupted; continue with zl-host run --resume RUN_DIR", markup=False)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""zl-host eval: held-out accuracy and NLL of the final chunk's readout (the full model's
+logits) with the trained adapter, in eager PyTorch on the HF model."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict]) -> dict:
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
+    nll_sum, correct, count = 0.0, 0, 0
+    with torch.no_grad():
+        for b in micro_batches:
+            ids = torch.from_numpy(b["input_ids"])
+            labels = torch.from_numpy(b["labels"])  # already shifted: labels[i] is the target at position i
+            logits = model(input_ids=ids, attention_mask=torch.from_numpy(b["attention_mask"])).logits
+            valid = labels != -100
+            if not valid.any():
+                continue
+            logp = torch.log_softmax(logits[valid], dim=-1)
+            tgt = labels[valid]
+            nll_sum += float(-logp.gather(1, tgt[:, None]).sum())
+            correct += int((logp.argmax(-1) == tgt).sum())
+            count += int(valid.sum())
+    if count == 0:
+        raise ValueError("the evaluation data has no answer tokens: check the dataset")
+    return {"nll": nll_sum / count, "accuracy": correct / count, "tokens": count}
+
+
+def split_held_out(micro_batches: list, fraction: float = 0.2) -> tuple[list, list]:
+    n = max(1, int(len(micro_batches) * fraction))
+    return micro_batches[:-n] or micro_batches, micro_batches[-n:]
+
+
+def logits_change(model_dir: str, adapter_dir: Path, batch: dict) -> float:
+    """Largest change of the logits the adapter makes on one batch (it must not be a no-op)."""
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    base = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    ids = torch.from_numpy(np.asarray(batch["input_ids"]))
+    with torch.no_grad():
+        before = base(input_ids=ids).logits
+        tuned = PeftModel.from_pretrained(base, str(adapter_dir)).eval()
+        after = tuned(input_ids=ids).logits
+    return float((after - before).abs().max())

@@ -1,0 +1,98 @@
+"""The run report: loss per stage, PSS and temperature per device, active/wait timelines
+(the seed's Fig. 7 and Fig. 8 for this run), as PNG plots plus a Markdown summary."""
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+
+def load_metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def write_report(run_dir: Path, summary: dict) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run_dir = Path(run_dir)
+    recs = load_metrics(run_dir)
+    tel = [r for r in recs if r["type"] == "TELEMETRY" and r.get("kind") == "micro_batch"]
+    stages = sorted({r["stage"] for r in tel})
+    t0 = min((r["phase1_start"] for r in tel), default=0.0)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for k in stages:
+        rs = [r for r in tel if r["stage"] == k]
+        axes[0].plot([r["micro_batch"] for r in rs], [r["task_loss"] for r in rs], label=f"stage {k}")
+        axes[1].plot([r["micro_batch"] for r in rs], [r["consis_loss"] for r in rs], label=f"stage {k}")
+    axes[0].set(title="task loss (CE) per stage", xlabel="micro-batch", ylabel="loss")
+    axes[1].set(title="consistency loss (KL to previous chunk)", xlabel="micro-batch")
+    for ax in axes:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "loss.png", dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for k in stages:
+        rs = [r for r in tel if r["stage"] == k]
+        dev = rs[0]["device"] if rs else "?"
+        axes[0].plot([r["phase2_end"] - t0 for r in rs], [r.get("pss_bytes", 0) / 2**20 for r in rs], label=f"{dev} (stage {k})")
+        temps = [(r["phase2_end"] - t0, r["temperature_c"]) for r in rs if "temperature_c" in r]
+        if temps:
+            axes[1].plot(*zip(*temps), label=f"{dev} (stage {k})")
+    axes[0].set(title="PSS per device", xlabel="time (s)", ylabel="MiB")
+    axes[1].set(title="temperature per device" + ("" if any("temperature_c" in r for r in tel) else " (unavailable)"),
+                xlabel="time (s)", ylabel="°C")
+    for ax in axes:
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend()
+    fig.tight_layout()
+    fig.savefig(run_dir / "memory.png", dpi=110)
+    plt.close(fig)
+
+    colors = {"phase1": "tab:blue", "phase2": "tab:orange", "step": "tab:green", "wait": "0.85"}
+    fig, ax = plt.subplots(figsize=(11, 1 + 0.6 * max(len(stages), 1)))
+    for k in stages:
+        for r in tel:
+            if r["stage"] != k:
+                continue
+            for kind, a, b in r.get("spans", []):
+                if kind != "wait":
+                    ax.barh(k, b - a, left=a - t0, color=colors.get(kind, "k"), height=0.6)
+    for kind, c in colors.items():
+        if kind != "wait":
+            ax.barh(-10, 0, color=c, label=kind)
+    ax.set(ylim=(-0.5, len(stages) - 0.5), yticks=stages, yticklabels=[f"stage {k}" for k in stages],
+           xlabel="time (s); gaps are waiting", title="stage activity timeline")
+    ax.legend(loc="upper right", ncol=3, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(run_dir / "timeline.png", dpi=110)
+    plt.close(fig)
+
+    rows = []
+    last = defaultdict(dict)
+    for r in tel:
+        last[r["stage"]] = r
+    for k in stages:
+        r = last[k]
+        first = next(x for x in tel if x["stage"] == k)
+        busy = r["active_s"] + r["wait_s"]
+        rows.append(f"| {k} | {r['device']} | {first['loss']:.4f} | {r['loss']:.4f} | {r['task_loss']:.4f} | "
+                    f"{r['consis_loss']:.4f} | {r.get('pss_bytes', 0) / 2**20:.0f} | "
+                    f"{r.get('temperature_c', 'n/a')} | {100 * r['active_s'] / busy if busy else 0:.0f}% |")
+    md = [f"# ZeroLock run {summary.get('run_id', '')}", "",
+          f"- program: `{summary.get('program')}`", f"- data: {summary.get('data')}",
+          f"- micro-batches: {summary.get('micro_batches')}, window {summary.get('window_size')}, "
+          f"steps {summary.get('windows')}, lr {summary.get('lr')}",
+          f"- wall time: {summary.get('seconds', 0):.1f} s, throughput {summary.get('samples_per_s', 0):.2f} samples/s",
+          f"- recoveries: {summary.get('recoveries', 0)}", "",
+          "| stage | device | first loss | last loss | task | consistency | PSS MiB | temp °C | active |",
+          "|---|---|---|---|---|---|---|---|---|", *rows, "",
+          "![loss](loss.png)", "", "![memory](memory.png)", "", "![timeline](timeline.png)", ""]
+    (run_dir / "report.md").write_text("\n".join(md))
+    return run_dir / "report.md"

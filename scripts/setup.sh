@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create .venv and install ZeroLock with its pinned dependencies (idempotent).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+if ! python -c "import exporter, zl_mobile, host, executorch, pytest" 2>/dev/null; then
+  python -m pip install -q --upgrade pip
+  python -m pip install -q -e ".[test]"
+fi

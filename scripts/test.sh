@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set up, then run the Python test suite and the Kotlin core's JVM tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+if [ -f kotlin_app/run_tests.sh ]; then
+  bash kotlin_app/run_tests.sh
+fi
+. .venv/bin/activate
+python -m pytest tests "$@"
