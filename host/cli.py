@@ -154,9 +154,8 @@ def cmd_run(a) -> int:
         if n < k:
             raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
         if a.resume and saved.get("phones"):
-            phones = [EmulatedPhone(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"]) for p in saved["phones"]]
-            for p in phones:
-                p.start()
+            phones = [EmulatedPhone(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"]).adopt_or_start(p.get("pid"))
+                      for p in saved["phones"]]
         else:
             console.print(f"starting {n} emulated phones")
             phones = start_phones(n, run_dir / "phones")
@@ -168,20 +167,22 @@ def cmd_run(a) -> int:
             handles = resolve(devices_spec, k, load_tokens(a.tokens), a.wait, a.mdns)
         except DeviceLookupError as e:
             raise CliError(str(e)) from None
-    record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
-              "settings": settings.to_json(),
-              "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
-                          "port": p.port} for p in phones]}
-    (run_dir / "run.json").write_text(json.dumps(record, indent=2))
-    (run_dir / "run.json").chmod(0o600)  # holds pairing tokens
-
     from rich.live import Live
 
     from .live import LiveView
 
     view = LiveView(k, settings.micro_batches, manifest["export"]["micro_batch"])
     try:
-        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=view.on_event)
+        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=view.on_event,
+                         link_tokens=saved.get("link_tokens") if a.resume else None)
+        record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
+                  "settings": settings.to_json(), "link_tokens": co.link_tokens,
+                  "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
+                              "port": p.port, "pid": p.pid} for p in phones]}
+        tmp = run_dir / "run.json.tmp"
+        tmp.write_text(json.dumps(record, indent=2))
+        tmp.chmod(0o600)  # holds pairing tokens
+        tmp.replace(run_dir / "run.json")
         with Live(view, console=console, refresh_per_second=4, transient=False):
             result = co.run()
     except (PlanError, RunError) as e:

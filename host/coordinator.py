@@ -52,7 +52,8 @@ class StageState:
 
 class Coordinator:
     def __init__(self, export_dir: Path, devices: list[DeviceHandle], micro_batches: list[dict],
-                 settings: RunSettings, run_dir: Path, run_id: str | None = None, on_event=None):
+                 settings: RunSettings, run_dir: Path, run_id: str | None = None, on_event=None,
+                 link_tokens: list[str] | None = None):
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
         self.chunks = self.manifest["chunks"]
@@ -67,7 +68,8 @@ class Coordinator:
         sizes = {p: f["size"] for p, f in self.files.items()}
         ordered = assign_by_memory(self.chunks, devices, sizes)
         self.stages = [StageState(k, d) for k, d in enumerate(ordered)]
-        self.link_tokens = [secrets.token_hex(32) for _ in range(len(self.chunks))]  # token of the link into stage k
+        # token of the link into stage k; kept in run.json so a resumed host reaches running stages
+        self.link_tokens = link_tokens or [secrets.token_hex(32) for _ in range(len(self.chunks))]
         self.metrics = open(self.run_dir / "metrics.jsonl", "a")
         self.feeder: OutboundLink | None = None
         self.errors: list[str] = []

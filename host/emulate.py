@@ -24,6 +24,7 @@ class EmulatedPhone:
     port: int = 0
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
+    adopted_pid: int | None = None  # a phone a previous host started, still running (resume)
 
     @property
     def endpoint(self) -> str:
@@ -59,16 +60,54 @@ class EmulatedPhone:
         for _ in iter(proc.stdout.readline, b""):
             pass
 
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else self.adopted_pid
+
+    def adopt_or_start(self, pid: int | None) -> "EmulatedPhone":
+        """On resume: keep the phone a previous host started if it still answers, else start it."""
+        import socket
+
+        if pid:
+            try:
+                os.kill(pid, 0)
+                socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
+                self.adopted_pid = pid
+                return self
+            except OSError:
+                pass
+        return self.start()
+
     def alive(self) -> bool:
+        if self.adopted_pid is not None:
+            try:
+                os.kill(self.adopted_pid, 0)
+                return True
+            except OSError:
+                return False
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:
-        if self.alive():
+        if self.adopted_pid is not None:
+            self._signal(9)
+        elif self.alive():
             self.proc.kill()
             self.proc.wait(timeout=10)
 
+    def _signal(self, sig: int) -> None:
+        pid, self.adopted_pid = self.adopted_pid, None
+        try:
+            os.kill(pid, sig)
+            for _ in range(100):
+                os.kill(pid, 0)
+                time.sleep(0.05)
+        except OSError:
+            pass
+
     def stop(self) -> None:
-        if self.alive():
+        if self.adopted_pid is not None:
+            self._signal(15)
+        elif self.alive():
             self.proc.terminate()
             try:
                 self.proc.wait(timeout=10)

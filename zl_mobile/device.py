@@ -37,8 +37,9 @@ def sha256_file(path: Path) -> str:
 class Device:
     """State that outlives host sessions: stored files and the running stage."""
 
-    def __init__(self, name: str, workdir: Path, token: str, limiter=None):
+    def __init__(self, name: str, workdir: Path, token: str, limiter=None, bind: str = "0.0.0.0"):
         self.name = name
+        self.bind = bind  # the stage's data port listens here too
         self.workdir = Path(workdir)
         self.files = self.workdir / "files"
         self.files.mkdir(parents=True, exist_ok=True)
@@ -94,6 +95,13 @@ class Device:
                 except ProtocolError as e:
                     log.warning("%s: %s", self.name, e)
                     conn.try_send(e.to_message(msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
+                    continue
+                except Exception as e:  # a failure on this side: report it (INTERNAL), keep the session
+                    err = ProtocolError(ErrorCode.INTERNAL, f"{msg.type.name} failed on the device: "
+                                                            f"{type(e).__name__}: {e}")
+                    log.error("%s: %s", self.name, err)
+                    log.debug("%s: %s failed", self.name, msg.type.name, exc_info=True)
+                    conn.try_send(err.to_message(msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
                     continue
                 if reply is not None:
                     conn.send(reply)
@@ -215,6 +223,9 @@ class Device:
         if sizes[chunk["program"]]["sha256"] != meta["program_sha256"]:
             raise self._reject(msg, f"program_sha256 in STAGE_ASSIGN is not chunk {k}'s program "
                                     f"({chunk['program']}): assign the stage that matches the program")
+        if "upstream_token" not in meta:
+            raise self._reject(msg, f"STAGE_ASSIGN for stage {k} lacks upstream_token: the stage needs the pairing "
+                                    "token of its upstream link (section 6) to accept it")
         cfg = StageConfig.from_assign(meta)
         same = (self.stage is not None and self.stage_meta is not None
                 and self.stage_meta.get("run_id") == meta.get("run_id") and self.stage_meta["stage"] == k)
@@ -225,7 +236,7 @@ class Device:
             try:
                 self.stage = Stage(self.files, chunk, manifest["export"], cfg, self.workdir,
                                    to_host=self.send_to_host, limiter=self.limiter,
-                                   data_port=meta.get("listen_port", 0))
+                                   data_port=meta.get("listen_port", 0), bind=self.bind)
             except ProgramError as e:
                 raise self._reject(msg, str(e)) from None
         self.stage_meta = dict(meta)

@@ -14,17 +14,26 @@ from pathlib import Path
 
 
 def load_or_create_token(workdir: Path, given: str | None) -> str:
+    """The pairing token: `given`, else the one kept in the work dir, else a new one (kept, mode
+    0600). ValueError (one line) if `given` or the kept one is not 64 hex digits."""
+    from .protocol import parse_token
+
     path = workdir / "pairing_token"
-    if given:
-        from .protocol import parse_token
+    if given is not None:
         parse_token(given)  # validates: 64 hex digits
-        path.write_text(given)
-        return given
-    if path.exists():
-        return path.read_text().strip()
-    token = secrets.token_hex(32)
-    path.write_text(token)
+        token = given
+    elif path.exists():
+        token = path.read_text().strip()
+        try:
+            parse_token(token)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}; delete it to generate a new token, then pair the host again") from None
+        return token
+    else:
+        token = secrets.token_hex(32)
+    path.touch(mode=0o600)
     path.chmod(0o600)
+    path.write_text(token)
     return token
 
 
@@ -52,9 +61,20 @@ def main(argv=None) -> int:
     threads = a.threads or (len(a.cpus.split(",")) if a.cpus else None)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
+    if a.token is not None:
+        from .protocol import parse_token
+        try:
+            parse_token(a.token)
+        except ValueError as e:  # before anything is created or written
+            print(f"zl-phone: error: --token: {e}", file=sys.stderr)
+            return 2
     workdir = a.workdir or Path.home() / ".zerolock" / "phones" / a.name
     workdir.mkdir(parents=True, exist_ok=True)
-    token = load_or_create_token(workdir, a.token)
+    try:
+        token = load_or_create_token(workdir, a.token)
+    except ValueError as e:
+        print(f"zl-phone: error: {e}", file=sys.stderr)
+        return 2
 
     import torch  # after the affinity/thread settings
 
@@ -71,7 +91,7 @@ def main(argv=None) -> int:
     from .telemetry import total_memory_bytes
 
     limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
-    device = Device(a.name, workdir, token, limiter=limiter)
+    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind)
     adverts = []
 
     def ready(port: int) -> None:

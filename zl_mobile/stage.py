@@ -64,7 +64,7 @@ class StageConfig:
 
 class Stage:
     def __init__(self, export_dir: Path, chunk: dict, export: dict, cfg: StageConfig, workdir: Path,
-                 to_host, limiter=None, data_port: int = 0):
+                 to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0"):
         self.cfg = cfg
         self.alpha = torch.tensor([cfg.alpha if cfg.alpha is not None else export["alpha"]], dtype=torch.float32)
         readout_rows = export["readout_rows"]
@@ -99,7 +99,8 @@ class Stage:
         self.queue = InboundQueue()
         self.inbound = InboundLink(f"stage{self.k}-in", cfg.upstream_token, self.queue,
                                    inflight_depth=cfg.inflight_depth,
-                                   next_needed=lambda: self.queue.next_after(self.next_mb), port=data_port)
+                                   next_needed=lambda: self.queue.next_after(self.next_mb), port=data_port,
+                                   bind=bind)
         self.outbound = None
         if cfg.downstream_token:
             self.outbound = OutboundLink(f"stage{self.k}-out", cfg.downstream_token, window_size=W,

@@ -1,0 +1,182 @@
+"""zl-host end to end: three emulated phones found over real mDNS, real TCP, a trained adapter
+that peft loads, the report, eval; and every bad input gets one clear line."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from host.cli import main
+from host.data import synthetic_examples
+from host.emulate import start_phones
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("zl-host: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(40, seed=3)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def e2e(small_export, data_file, tmp_path_factory):
+    out = small_export[0]
+    root = tmp_path_factory.mktemp("e2e")
+    phones = start_phones(3, root / "phones", prefix="e2e")
+    tokens = root / "tokens.json"
+    tokens.write_text(json.dumps({p.name: p.token for p in phones}))
+    run = root / "run"
+    try:
+        rc = main(["run", "--program", str(out), "--data", str(data_file), "--devices", "auto", "--tokens", str(tokens),
+                   "--steps", "4", "--window", "2", "--lr", "2e-2", "--out", str(run), "--wait", "20"])
+        from host.devices import find_devices
+        listing = {f.name: f.endpoint for f in find_devices(timeout=2.0)[0]}
+        listing["expected"] = {p.name: p.endpoint for p in phones}
+    finally:
+        for p in phones:
+            p.stop()
+    return out, run, rc, listing
+
+
+def test_run_over_mdns_trains_and_writes_adapter_and_report(e2e):
+    out, run, rc, _ = e2e
+    assert rc == 0
+    for f in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "metrics.jsonl", "report.md",
+              "loss.png", "memory.png", "timeline.png", "run.json", "summary.json"):
+        assert (run / f).is_file(), f
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    tel = [r for r in recs if r["type"] == "TELEMETRY" and r.get("kind") == "micro_batch"]
+    assert {r["device"] for r in tel} == {"e2e0", "e2e1", "e2e2"}
+    for k in range(3):
+        first = np.mean([r["loss"] for r in tel if r["stage"] == k and r["window"] == 0])
+        last = np.mean([r["loss"] for r in tel if r["stage"] == k and r["window"] == 3])
+        assert last < first, (k, first, last)
+
+
+def test_adapter_loads_in_peft_and_changes_logits(e2e, small_model_dir):
+    from host.evaluate import logits_change
+
+    out, run, rc, _ = e2e
+    batch = {"input_ids": np.array([[1, 5, 9, 12, 7, 3]], dtype=np.int64)}
+    assert logits_change(str(small_model_dir), run / "adapter", batch) > 1e-4
+
+
+def test_eval_runs_on_the_adapter(e2e, data_file, capsys):
+    out, run, rc, _ = e2e
+    capsys.readouterr()
+    assert main(["eval", "--program", str(out), "--adapter", str(run / "adapter"), "--data", str(data_file)]) == 0
+    text = capsys.readouterr().out
+    assert "with adapter:  NLL" in text and "base model:" in text
+
+
+def test_devices_lists_the_phones(e2e):
+    listing = e2e[3]
+    for name, endpoint in listing.pop("expected").items():
+        assert listing[name] == endpoint  # found over mDNS with the port the phone listens on
+
+
+def test_devices_says_where_it_looked_when_nothing_found(capsys):
+    assert main(["devices", "--timeout", "0.5", "--mdns", "127.0.0.1"]) == 0
+    out = capsys.readouterr().out
+    assert "mDNS _zerolock._tcp on 127.0.0.1" in out and "adb" in out
+
+
+def test_no_usable_devices_in_time(small_export, tmp_path, data_file, capsys):
+    tokens = tmp_path / "t.json"
+    tokens.write_text("{}")
+    rc = main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "auto",
+               "--tokens", str(tokens), "--wait", "1", "--out", str(tmp_path / "r")])
+    assert rc == 2
+    assert "usable device(s) of 3 needed within 1 s" in _error_line(capsys)
+
+
+def test_unknown_device_names(small_export, tmp_path, data_file, capsys):
+    rc = main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "nope0,nope1,nope2",
+               "--wait", "1", "--out", str(tmp_path / "r")])
+    assert rc == 2
+    assert "unknown device(s) nope0, nope1, nope2" in _error_line(capsys)
+
+
+def test_fewer_devices_than_chunks(small_export, tmp_path, data_file, capsys):
+    rc = main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:2",
+               "--out", str(tmp_path / "r")])
+    assert rc == 2
+    assert "2 emulated phone(s) for 3 chunks" in _error_line(capsys)
+
+
+def test_program_dir_without_manifest(tmp_path, capsys):
+    assert main(["run", "--program", str(tmp_path), "--devices", "emulated:3"]) == 2
+    assert "has no manifest.json" in _error_line(capsys)
+
+
+def test_program_file_hash_mismatch(small_export, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(small_export[0], bad)
+    with open(bad / "chunk_1.ptd", "r+b") as f:
+        f.seek(100)
+        f.write(b"\x00corrupt")
+    assert main(["run", "--program", str(bad), "--devices", "emulated:3"]) == 2
+    line = _error_line(capsys)
+    assert "chunk_1.ptd does not match its sha256" in line
+    assert not (tmp_path / "r").exists()
+
+
+def test_dataset_without_usable_rows(small_export, tmp_path, capsys):
+    data = tmp_path / "empty.jsonl"
+    data.write_text('{"question": "no prompt or text here"}\n{"foo": 1}\n')
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data), "--devices", "emulated:3",
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "empty.jsonl" in _error_line(capsys)
+
+
+def test_unreadable_resume_dir(tmp_path, capsys):
+    assert main(["run", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "cannot resume" in _error_line(capsys)
+    (tmp_path / "r").mkdir()
+    (tmp_path / "r" / "run.json").write_text("{broken")
+    assert main(["run", "--resume", str(tmp_path / "r")]) == 2
+    assert "unreadable" in _error_line(capsys)
+
+
+def test_host_killed_and_resumed_ends_with_the_uninterrupted_lora(small_export, data_file, tmp_path):
+    """The host process dies mid-run (SIGKILL); `zl-host run --resume` reattaches to the running
+    phones, which kept their state, and the adapter equals an uninterrupted run's."""
+    import subprocess
+    import sys
+    import time
+
+    from safetensors.numpy import load_file
+
+    args = ["--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
+            "--steps", "30", "--window", "2", "--lr", "2e-2"]
+    assert main(["run", *args, "--out", str(tmp_path / "a")]) == 0
+
+    run = tmp_path / "b"
+    host = subprocess.Popen([sys.executable, "-m", "host.cli", "run", *args, "--out", str(run)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    killed_at = None
+    while time.time() < deadline and host.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and any('"CHECKPOINT_COMMITTED"' in line and '"stage": 2' in line and '"window": 2' in line
+                                    for line in metrics.read_text().splitlines()):
+            host.kill()
+            host.wait()
+            killed_at = sum(1 for _ in metrics.open())
+            break
+        time.sleep(0.05)
+    assert killed_at is not None, "the host finished before it could be killed"
+    assert main(["run", "--resume", str(run)]) == 0
+    a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(run / "adapter" / "adapter_model.safetensors"))
+    assert set(a) == set(b)
+    diff = max(float(np.abs(a[k] - b[k]).max()) for k in a)
+    print(f"largest LoRA difference after host kill + resume: {diff:.3g}")
+    assert diff <= 1e-6

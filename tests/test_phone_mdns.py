@@ -1,0 +1,209 @@
+"""zl-phone as a process: mDNS advertisement on loopback, the printed pairing token, a bad
+--token, and the --rate-mbit outgoing rate limit."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from zl_mobile.connection import Connection, connect
+from zl_mobile.mdns import SERVICE_TYPE, _zeroconf, browse, parse_txt
+from zl_mobile.protocol import Message, MsgType, RateLimiter, host_handshake, new_token
+from zl_mobile.telemetry import total_memory_bytes
+
+PHONE = [sys.executable, "-m", "zl_mobile.phone"]
+ENV = dict(os.environ, PYTHONUNBUFFERED="1")
+
+
+@pytest.fixture(scope="module")
+def advertised_phone(tmp_path_factory):
+    """A zl-phone started without --token, advertising on loopback: (name, port, token, workdir)."""
+    name = f"mdns{os.getpid()}"
+    workdir = tmp_path_factory.mktemp("mdns") / name
+    log_path = workdir.parent / "phone.log"
+    proc = subprocess.Popen([*PHONE, "--name", name, "--workdir", str(workdir), "--threads", "1"],
+                            stdout=subprocess.PIPE, stderr=open(log_path, "w"), text=True, env=ENV,
+                            start_new_session=True)
+    proc.log_path = log_path
+    lines = []
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip("\n"))
+            if line.startswith("advertised"):
+                break
+        out = "\n".join(lines)
+        assert lines and lines[-1].startswith("advertised"), f"zl-phone did not advertise:\n{out}\n{log_path.read_text()}"
+        port = int(re.search(r"listening on 127\.0\.0\.1:(\d+),", out).group(1))
+        token = re.search(r"^pairing token: (\S+)$", out, re.M).group(1)
+        yield name, port, token, workdir, lines, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)  # a clean stop: the advertisement is withdrawn
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def test_phone_prints_its_pairing_token_and_keeps_it_private(advertised_phone):
+    name, port, token, workdir, lines, _ = advertised_phone
+    assert re.fullmatch(r"[0-9a-f]{64}", token)
+    path = workdir / "pairing_token"
+    assert path.read_text().strip() == token
+    assert path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
+    assert lines[-1] == f"advertised as {name}._zerolock._tcp.local. on loopback"
+    # the printed token is the one the phone authenticates with
+    sock = connect(f"127.0.0.1:{port}")
+    sock.settimeout(10)
+    try:
+        hello = host_handshake(sock, token)
+        assert hello["name"] == name
+    finally:
+        sock.close()
+
+
+def test_phone_is_found_over_mdns_on_loopback(advertised_phone):
+    name, port, _, _, _, _ = advertised_phone
+    found = browse(timeout=10, interfaces=["127.0.0.1"], until=lambda fs: any(f.name == name for f in fs))
+    mine = [f for f in found if f.name == name]
+    assert len(mine) == 1, found
+    f = mine[0]
+    assert (f.address, f.port, f.endpoint) == ("127.0.0.1", port, f"127.0.0.1:{port}")
+    assert (f.proto, f.runtime, f.memory_bytes) == (1, "zl_mobile", total_memory_bytes())
+    # the TXT record itself carries name/proto/runtime/mem
+    zc = _zeroconf(["127.0.0.1"])
+    try:
+        info = zc.get_service_info(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}", timeout=3000)
+        assert info is not None and info.port == port
+        assert parse_txt(info.properties) == {"name": name, "proto": "1", "runtime": "zl_mobile",
+                                              "mem": str(total_memory_bytes())}
+    finally:
+        zc.close()
+
+
+def test_phone_stops_cleanly_on_sigint(advertised_phone):
+    *_, proc = advertised_phone
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=15) == 0
+    assert "Traceback" not in proc.log_path.read_text()
+
+
+# ---- --token -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", ["nothex", "ab" * 31, "zz" * 32, "ab" * 33, ""],
+                         ids=["not-hex", "too-short", "non-hex-digits", "too-long", "empty"])
+def test_bad_token_exits_with_a_one_line_error(tmp_path, bad):
+    workdir = tmp_path / "w"
+    r = subprocess.run([*PHONE, "--name", "x", "--workdir", str(workdir), "--token", bad, "--mdns", "none"],
+                       capture_output=True, text=True, timeout=60, env=ENV)
+    assert r.returncode != 0
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, r.stderr
+    assert "token" in err and "64 hex digits" in err
+    assert "listening" not in r.stdout
+    assert not (workdir / "pairing_token").exists()  # nothing was written
+
+
+def test_corrupt_stored_token_exits_with_a_one_line_error(tmp_path):
+    workdir = tmp_path / "w"
+    workdir.mkdir()
+    (workdir / "pairing_token").write_text("garbage\n")
+    r = subprocess.run([*PHONE, "--name", "x", "--workdir", str(workdir), "--mdns", "none"],
+                       capture_output=True, text=True, timeout=60, env=ENV)
+    assert r.returncode != 0
+    err = r.stderr.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, r.stderr
+    assert str(workdir / "pairing_token") in err and "delete it" in err
+
+
+def test_token_is_kept_across_restarts(tmp_path):
+    from zl_mobile.phone import load_or_create_token
+
+    first = load_or_create_token(tmp_path, None)
+    assert load_or_create_token(tmp_path, None) == first
+    given = new_token()
+    assert load_or_create_token(tmp_path, given) == given
+    assert load_or_create_token(tmp_path, None) == given
+    assert (tmp_path / "pairing_token").stat().st_mode & 0o077 == 0
+
+
+# ---- --rate-mbit -------------------------------------------------------------------------------
+
+MB = 1_000_000
+RATE = 8e6 / 8  # 8 Mbit/s in bytes/s
+
+
+def _send_timed(limiter, nbytes: int) -> tuple[float, Message]:
+    """Send a STATE_PUT carrying nbytes over a loopback socket pair; (send time, message received)."""
+    a, b = socket.socketpair()
+    got = {}
+    reader = threading.Thread(target=lambda: got.setdefault("msg", Connection(b).recv()))
+    reader.start()
+    data = np.random.default_rng(0).integers(0, 255, nbytes, dtype=np.uint8)
+    t0 = time.monotonic()
+    Connection(a, limiter=limiter).send(Message(MsgType.STATE_PUT, {"request_id": 1, "kind": "lora"}, {"w": data}))
+    elapsed = time.monotonic() - t0
+    reader.join(timeout=10)
+    a.close()
+    b.close()
+    assert np.array_equal(got["msg"].tensors["w"], data)
+    return elapsed, got["msg"]
+
+
+def test_rate_limited_connection_sends_1_MB_at_8_Mbit_in_about_1_s():
+    elapsed, _ = _send_timed(RateLimiter(RATE), MB)
+    # 1 MB at 1 MB/s, less the initial burst (1/20 s worth)
+    assert 0.85 <= elapsed <= 1.5, elapsed
+    fast, _ = _send_timed(None, MB)
+    assert fast < 0.5, fast
+
+
+def test_rate_mbit_option_gives_the_device_its_limiter(tmp_path, monkeypatch):
+    import zl_mobile.device as device_mod
+    from zl_mobile import phone
+
+    seen = {}
+    monkeypatch.setattr(device_mod, "serve", lambda device, port, bind, ready: seen.setdefault("device", device))
+    assert phone.main(["--name", "rl", "--workdir", str(tmp_path), "--token", new_token(), "--mdns", "none",
+                       "--rate-mbit", "8"]) == 0
+    limiter = seen["device"].limiter
+    assert isinstance(limiter, RateLimiter) and limiter.rate == RATE
+    seen.clear()
+    assert phone.main(["--name", "rl", "--workdir", str(tmp_path), "--mdns", "none"]) == 0
+    assert seen["device"].limiter is None
+
+
+def test_rate_limited_hidden_state_link_is_shaped():
+    """The limiter a phone gets from --rate-mbit shapes its outgoing hidden-state link."""
+    from zl_mobile.links import InboundLink, InboundQueue, OutboundLink
+
+    token = new_token()
+    q = InboundQueue()
+    inbound = InboundLink("in", token, q, inflight_depth=4, next_needed=lambda: 0, bind="127.0.0.1")
+    out = OutboundLink("out", token, window_size=2, replay_horizon=8, limiter=RateLimiter(RATE))
+    try:
+        out.set_address(f"127.0.0.1:{inbound.port}")
+        h = np.zeros((MB // 2 // 4,), dtype=np.float32)  # two hidden states of 0.5 MB each
+        t0 = time.monotonic()
+        for mb in range(2):
+            out.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": 0}, {"h": h}))
+        assert q.take(0, timeout=10) is not None and q.take(1, timeout=10) is not None
+        elapsed = time.monotonic() - t0
+        assert 0.85 <= elapsed <= 1.6, elapsed
+        assert out.bytes_sent >= MB
+    finally:
+        out.close()
+        inbound.close()
