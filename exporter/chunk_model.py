@@ -122,3 +122,64 @@ def example_inputs(chunk: ChunkModel, cfg: ExportConfig, vocab: int, hidden: int
     w = torch.zeros(N)
     w[:n_valid] = 1.0
     return (x, attn, pos, idx, tgt, w, torch.tensor([cfg.alpha]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Back-propagation (BP) baseline stages: same chunks, same LoRA, ordinary end-to-end gradients.
+
+PROBE = "grad_probe"      # zero input probe added to h_{k-1}; its gradient is dL/dh_{k-1}
+PROBE_GRAD = "grad_h_in"  # the name of that gradient among the backward's outputs
+
+
+class BPChunkModel(ChunkModel):
+    """One chunk as a stage of a back-propagation pipeline (GPipe / 1F1B / PipeDream baselines).
+
+    forward(x, attention_mask, position_ids, *tail) -> (loss, h_k detached)
+      non-last chunk: tail = (grad_h_out,), dL/dh_k from the next stage, and
+                      loss = <h_k, grad_h_out>, so d loss/d theta is the chain rule's term;
+      last chunk:     tail = (loss_index, loss_target, loss_weight), and loss is the ordinary
+                      global CE at the gathered valid positions through the frozen readout.
+    A non-first chunk computes on h_in + grad_probe, a zero [B,S,d] parameter: its gradient is
+    dL/dh_{k-1}, the gradient the previous stage needs (the joint trace gives parameter
+    gradients only). The marker after the layers splits forward (phase1) from backward (phase2)."""
+
+    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, is_last: bool):
+        super().__init__(peft_model, first, last, cfg)
+        self.is_last = is_last
+        if not is_last:  # only the last stage owns the readout
+            self.norm = None
+            self.lm_head = None
+        if not self.is_first:
+            hidden = peft_model.base_model.model.config.hidden_size
+            probe = torch.zeros(cfg.micro_batch, cfg.seq_len, hidden)
+            self.register_parameter(PROBE, nn.Parameter(probe, requires_grad=True))
+
+    def global_loss(self, h, loss_index, loss_target, loss_weight):
+        d = h.shape[-1]
+        logp = F.log_softmax(self.readout(h.reshape(-1, d).index_select(0, loss_index)), dim=-1)
+        nll = -logp.gather(1, loss_target.unsqueeze(1)).squeeze(1)
+        return (nll * loss_weight).sum() / loss_weight.sum().clamp(min=1.0)
+
+    def forward(self, x, attention_mask, position_ids, *tail):
+        h_in = self.embed(x) if self.is_first else x + getattr(self, PROBE)
+        h = self.run_layers(h_in, attention_mask, position_ids)
+        h = pipeline_marker(h)  # phase boundary: phase 1 = BP forward, phase 2 = BP backward
+        if self.is_last:
+            loss = self.global_loss(h, *tail)
+        else:
+            (grad_h_out,) = tail
+            loss = (h * grad_h_out).sum()
+        return loss, h.detach()
+
+
+def bp_input_names(is_first: bool, is_last: bool) -> list[str]:
+    tail = ["loss_index", "loss_target", "loss_weight"] if is_last else ["grad_h_out"]
+    return ["input_ids" if is_first else "h_in", "attention_mask", "position_ids"] + tail
+
+
+def bp_example_inputs(chunk: BPChunkModel, cfg: ExportConfig, vocab: int, hidden: int, seed: int = 0):
+    x, attn, pos, idx, tgt, w, _ = example_inputs(chunk, cfg, vocab, hidden, seed)
+    if chunk.is_last:
+        return (x, attn, pos, idx, tgt, w)
+    g = torch.Generator().manual_seed(seed + 1000)
+    return (x, attn, pos, torch.randn(cfg.micro_batch, cfg.seq_len, hidden, generator=g))

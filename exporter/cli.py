@@ -26,6 +26,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="readout rows per micro-batch (valid positions gathered before the lm_head); default all B*S")
     p.add_argument("--backend", choices=["xnnpack", "portable"], default="xnnpack")
     p.add_argument("--seed", type=int, default=0, help="LoRA initialisation seed")
+    p.add_argument("--mode", choices=["zerolock", "bp", "both"], default="zerolock",
+                   help="programs to write per chunk: zerolock (chunk_k.pte, local-loss training), bp "
+                        "(chunk_k_bp.pte, a back-propagation pipeline stage for the GPipe/1F1B/PipeDream "
+                        "baselines; same chunks and LoRA), or both (default %(default)s)")
     p.add_argument("--verify", action="store_true", help="run every program in ExecuTorch and compare with eager PyTorch")
     return p
 
@@ -57,16 +61,18 @@ def main(argv=None) -> int:
         def progress(msg):
             console.print(f"[dim]{time.time() - t0:6.1f}s[/] {msg}")
 
-        manifest, artifacts = export_model(args.model, args.chunks, args.out, cfg, progress=progress)
+        modes = ("zerolock", "bp") if args.mode == "both" else (args.mode,)
+        manifest, artifacts = export_model(args.model, args.chunks, args.out, cfg, progress=progress, modes=modes)
+        sizes = {f["path"]: f["size"] for f in manifest["files"]}
         for c in manifest["chunks"]:
-            sizes = {f["path"]: f["size"] for f in manifest["files"]}
-            progress(f"chunk {c['index']} (layers {c['layers'][0]}-{c['layers'][1]}): {c['program']} "
-                     f"{sizes[c['program']] / 2**20:.1f} MiB, {c['weights']} {sizes[c['weights']] / 2**20:.1f} MiB, "
-                     f"saved activations {c['saved_activation_bytes'] / 2**20:.1f} MiB")
+            for p in ([c] if "program" in c else []) + ([c["bp"]] if "bp" in c else []):
+                progress(f"chunk {c['index']} (layers {c['layers'][0]}-{c['layers'][1]}): {p['program']} "
+                         f"{sizes[p['program']] / 2**20:.1f} MiB, {p['weights']} {sizes[p['weights']] / 2**20:.1f} MiB, "
+                         f"saved activations {p['saved_activation_bytes'] / 2**20:.1f} MiB")
         if args.verify:
             from .verify import verify_all
 
-            verify_all(args.out, artifacts, cfg, _hf_config(artifacts), report=progress)
+            verify_all(args.out, artifacts, cfg, _hf_config(manifest), report=progress)
             progress("[green]verify: every chunk matches eager PyTorch within tolerance[/]")
         console.print(f"wrote {args.out} ({len(manifest['chunks'])} chunks) in {time.time() - t0:.1f} s")
         return 0
@@ -83,10 +89,11 @@ def main(argv=None) -> int:
 
 
 class _hf_config:
-    """vocab and hidden size read off the exported chunks (what verify's sample batch needs)."""
+    """vocab and hidden size of the exported model (what verify's sample batch needs)."""
 
-    def __init__(self, artifacts):
-        self.vocab_size, self.hidden_size = artifacts[0].chunk.lm_head.weight.shape
+    def __init__(self, manifest):
+        self.vocab_size = manifest["model"]["config"]["vocab_size"]
+        self.hidden_size = manifest["model"]["config"]["hidden_size"]
 
 
 if __name__ == "__main__":

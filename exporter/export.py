@@ -1,5 +1,10 @@
 """Export every chunk of a model into a two-phase ExecuTorch training program.
 
+Modes: "zerolock" (chunk_k.pte: local-loss training, the default) and "bp" (chunk_k_bp.pte:
+a back-propagation pipeline stage for the GPipe / 1F1B / PipeDream baselines; same chunks,
+same LoRA). Both kinds of program have methods phase1 and phase2, described in the manifest:
+the ZeroLock ones in the chunk entry, the BP ones in its "bp" object (see manifest.chunk_entry_for).
+
 Writes into a temporary sibling directory and renames it into place at the end, so an
 interrupted export never leaves something that looks complete."""
 from __future__ import annotations
@@ -15,12 +20,14 @@ import torch
 from safetensors.torch import save_file
 
 from . import __version__
-from .chunk_model import ChunkModel, add_lora, example_inputs, input_names, peft_name
+from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora, bp_example_inputs,
+                          bp_input_names, example_inputs, input_names, peft_name)
 from .chunk_spec import parse_chunk_spec
 from .config import ExportConfig
 from .errors import OutputDirError
 from .lower import joint_program, lower_two_phase
-from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, file_entry, tensor_desc, write_manifest
+from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, MODES, file_entry, ptd_contents, tensor_desc,
+                       write_manifest)
 from .model_source import load_model_dir, weights_sha256, write_tiny_model_dir
 from .two_phase import split_at_marker
 
@@ -33,8 +40,9 @@ class ChunkArtifacts:
     index: int
     first: int
     last: int
-    chunk: ChunkModel
+    chunk: ChunkModel | None  # None when the ZeroLock program was not exported
     entry: dict
+    bp_chunk: BPChunkModel | None = None  # set when the BP program was exported
 
 
 def versions() -> dict:
@@ -81,10 +89,14 @@ def commit_out_dir(tmp: Path, out: Path) -> None:
 
 
 def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig, progress=None,
-                 model=None) -> tuple[dict, list[ChunkArtifacts]]:
+                 model=None, modes=("zerolock",)) -> tuple[dict, list[ChunkArtifacts]]:
     """Run the whole export. `model` may be given directly (tests); otherwise `model_arg` is
-    'tiny' or a HF Llama directory. Returns (manifest, per-chunk artifacts)."""
+    'tiny' or a HF Llama directory. `modes`: which programs to write, any of "zerolock", "bp".
+    Returns (manifest, per-chunk artifacts)."""
     say = progress or (lambda msg: None)
+    if not modes or set(modes) - set(MODES):
+        raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes}")
+    modes = tuple(m for m in MODES if m in modes)
     tmp = prepare_out_dir(out)
     try:
         if model is None and model_arg == "tiny":
@@ -113,14 +125,23 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         results = []
         for k, (first, last) in enumerate(ranges):
             t0 = time.time()
-            say(f"chunk {k}: layers {first}-{last}: tracing")
-            chunk = ChunkModel(peft_model, first, last, cfg).eval()
-            results.append(_export_chunk(k, chunk, cfg, hf_cfg, tmp, say))
-            results[-1].entry["export_seconds"] = round(time.time() - t0, 2)
+            chunk = bp_chunk = None
+            entry = {"index": k, "layers": [first, last]}
+            if "zerolock" in modes:
+                say(f"chunk {k}: layers {first}-{last}: tracing")
+                chunk = ChunkModel(peft_model, first, last, cfg).eval()
+                entry.update(_export_chunk(k, chunk, cfg, hf_cfg, tmp, say))
+            if "bp" in modes:
+                say(f"chunk {k}: layers {first}-{last}: tracing the BP stage")
+                bp_chunk = BPChunkModel(peft_model, first, last, cfg, is_last=k == len(ranges) - 1).eval()
+                entry["bp"] = _export_bp_chunk(k, bp_chunk, cfg, hf_cfg, tmp, say)
+            entry.update(_write_lora_init(k, chunk or bp_chunk, tmp))
+            entry["export_seconds"] = round(time.time() - t0, 2)
+            results.append(ChunkArtifacts(k, first, last, chunk, entry, bp_chunk))
             say(f"chunk {k}: done in {time.time() - t0:.1f} s")
 
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION,
+            "format": FORMAT, "format_version": FORMAT_VERSION, "modes": list(modes),
             "model": model_ref,
             "export": cfg.to_json(),
             "lora": {"rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "scale": cfg.lora_scale,
@@ -147,45 +168,84 @@ def _copy_tokenizer(model_dir: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def _export_chunk(k: int, chunk: ChunkModel, cfg: ExportConfig, hf_cfg, tmp: Path, say) -> ChunkArtifacts:
-    inputs = example_inputs(chunk, cfg, hf_cfg.vocab_size, hf_cfg.hidden_size)
-    names = input_names(chunk.is_first)
-    ep = joint_program(chunk, inputs)
-    split = split_at_marker(ep, names)
-    say(f"chunk {k}: lowering ({cfg.backend})")
-    tag = f"chunk_{k}"
-    et = lower_two_phase(split, cfg.backend, tag)
-
-    pte = tmp / f"chunk_{k}.pte"
-    pte.write_bytes(et.buffer)
+def _lower_and_write(split, cfg: ExportConfig, tmp: Path, stem: str, say, k: int) -> Path:
+    """Lower both phases into tmp/{stem}.pte with frozen weights in tmp/{stem}.ptd."""
+    say(f"chunk {k}: lowering {stem} ({cfg.backend})")
+    et = lower_two_phase(split, cfg.backend, stem)
+    (tmp / f"{stem}.pte").write_bytes(et.buffer)
     et.write_tensor_data_to_file(str(tmp))
-    ptd = tmp / f"{tag}.ptd"
+    ptd = tmp / f"{stem}.ptd"
     if not ptd.is_file():
         raise RuntimeError(f"ExecuTorch did not write the external weights file {ptd.name}")
+    return ptd
 
+
+def _describe(phase, rename: dict) -> dict:
+    """A method's inputs and outputs with their shapes, from the traced graph; `rename` maps
+    chunk-local names (LoRA, the BP probe) to the manifest's names."""
+    ph = [n for n in phase.program.graph.nodes if n.op == "placeholder"]
+    user = ph[len(ph) - len(phase.inputs):]
+    outs = phase.program.graph.output_node().args[0]
+
+    def out_name(nm):
+        if not nm.startswith("grad:"):
+            return nm
+        t = nm[5:]
+        return PROBE_GRAD if t == PROBE else "grad:" + rename[t]
+
+    ins = [tensor_desc(rename.get(nm, nm), n.meta["val"]) for nm, n in zip(phase.inputs, user)]
+    outd = [tensor_desc(out_name(nm), o.meta["val"]) for nm, o in zip(phase.outputs, outs)]
+    return {"inputs": ins, "outputs": outd}
+
+
+def _global_names(chunk: ChunkModel) -> dict:
+    return {n: peft_name(n, chunk.first) for n in chunk.lora_parameters()}
+
+
+def _write_lora_init(k: int, chunk: ChunkModel, tmp: Path) -> dict:
+    """The LoRA initialisation (shared by the ZeroLock and BP programs: same modules)."""
     lora = chunk.lora_parameters()
-    to_global = {n: peft_name(n, chunk.first) for n in lora}
+    to_global = _global_names(chunk)
     init = tmp / f"chunk_{k}_lora_init.safetensors"
     save_file({to_global[n]: p.detach().contiguous() for n, p in lora.items()}, str(init))
+    return {"lora_init": init.name, "lora": [tensor_desc(to_global[n], p) for n, p in lora.items()]}
 
-    # Describe both methods' inputs and outputs with their shapes, from the traced graphs.
-    def describe(phase):
-        ph = [n for n in phase.program.graph.nodes if n.op == "placeholder"]
-        user = ph[len(ph) - len(phase.inputs):]
-        outs = phase.program.graph.output_node().args[0]
-        ins = [tensor_desc(to_global.get(nm, nm), n.meta["val"]) for nm, n in zip(phase.inputs, user)]
-        outd = [tensor_desc(_global_out(nm, to_global), o.meta["val"]) for nm, o in zip(phase.outputs, outs)]
-        return {"inputs": ins, "outputs": outd}
 
-    entry = {
-        "index": k, "layers": [chunk.first, chunk.last], "first_input": names[0],
-        "program": f"chunk_{k}.pte", "weights": ptd.name, "lora_init": init.name,
-        "lora": [tensor_desc(to_global[n], p) for n, p in lora.items()],
-        "methods": {"phase1": describe(split.phase1), "phase2": describe(split.phase2)},
+def _export_chunk(k: int, chunk: ChunkModel, cfg: ExportConfig, hf_cfg, tmp: Path, say) -> dict:
+    inputs = example_inputs(chunk, cfg, hf_cfg.vocab_size, hf_cfg.hidden_size)
+    names = input_names(chunk.is_first)
+    split = split_at_marker(joint_program(chunk, inputs), names)
+    ptd = _lower_and_write(split, cfg, tmp, f"chunk_{k}", say, k)
+    rename = _global_names(chunk)
+    return {
+        "first_input": names[0], "program": f"chunk_{k}.pte", "weights": ptd.name,
+        "methods": {"phase1": _describe(split.phase1, rename), "phase2": _describe(split.phase2, rename)},
         "saved_activation_bytes": split.saved_bytes, "saved_activation_count": split.info["n_saved"],
     }
-    return ChunkArtifacts(k, chunk.first, chunk.last, chunk, entry)
 
 
-def _global_out(name: str, to_global: dict) -> str:
-    return "grad:" + to_global[name[5:]] if name.startswith("grad:") else name
+def _export_bp_chunk(k: int, chunk: BPChunkModel, cfg: ExportConfig, hf_cfg, tmp: Path, say) -> dict:
+    """chunk_k_bp.pte: phase1 = BP forward (h_out + saved), phase2 = BP backward (grad_h_in and
+    LoRA grads; the last stage also the global loss). Its frozen weights share chunk_k.ptd when
+    that file holds every one of them under the same key with the same bytes."""
+    inputs = bp_example_inputs(chunk, cfg, hf_cfg.vocab_size, hf_cfg.hidden_size)
+    names = bp_input_names(chunk.is_first, chunk.is_last)
+    split = split_at_marker(joint_program(chunk, inputs), names, ("loss",) if chunk.is_last else ())
+    stem = f"chunk_{k}_bp"
+    ptd = _lower_and_write(split, cfg, tmp, stem, say, k)
+    shared = tmp / f"chunk_{k}.ptd"
+    if shared.is_file() and _ptd_covers(shared, ptd):
+        ptd.unlink()
+        ptd = shared
+    rename = _global_names(chunk)
+    return {
+        "first_input": names[0], "last": chunk.is_last, "program": f"{stem}.pte", "weights": ptd.name,
+        "methods": {"phase1": _describe(split.phase1, rename), "phase2": _describe(split.phase2, rename)},
+        "saved_activation_bytes": split.saved_bytes, "saved_activation_count": split.info["n_saved"],
+    }
+
+
+def _ptd_covers(big: Path, small: Path) -> bool:
+    """Every named tensor of `small` is in `big` under the same key, layout and bytes."""
+    a, b = ptd_contents(big), ptd_contents(small)
+    return all(key in a and a[key] == v for key, v in b.items())

@@ -5,6 +5,7 @@ import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
+from .graph_passes import fold_weight_transposes
 from .two_phase import SplitResult, strip_markers
 
 
@@ -13,7 +14,31 @@ def joint_program(chunk: ChunkModel, inputs: tuple):
     ep = torch.export.export(chunk, inputs, strict=False)
     ep = _export_forward_backward(ep, joint_loss_index=0)
     _rewrite_empty_permuted(ep.graph_module)
+    _rewrite_full_like(ep.graph_module)
     return ep
+
+
+def _rewrite_full_like(gm) -> None:
+    """The backward is seeded with full_like(loss, 1), which reads only loss's (static) shape
+    but makes the seed depend on the loss value: a split that returns no loss (a BP stage's
+    backward) would recompute the loss, and ship its inputs, just for that. aten.full with the
+    same shape and dtype is the same tensor without the dependency."""
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target is not torch.ops.aten.full_like.default:
+            continue
+        val = n.args[0].meta["val"]
+        if n.kwargs.get("memory_format", torch.preserve_format) not in (torch.preserve_format, torch.contiguous_format) \
+                or not val.is_contiguous() or any(not isinstance(s, int) for s in val.shape):
+            continue
+        kw = {"dtype": n.kwargs.get("dtype") or val.dtype, "layout": n.kwargs.get("layout") or val.layout,
+              "device": n.kwargs.get("device") or val.device, "pin_memory": False}
+        with gm.graph.inserting_before(n):
+            new = gm.graph.call_function(torch.ops.aten.full.default, (list(val.shape), n.args[1]), kw)
+        new.meta = dict(n.meta)
+        n.replace_all_uses_with(new)
+        gm.graph.erase_node(n)
+    gm.graph.lint()
+    gm.recompile()
 
 
 def _rewrite_empty_permuted(gm) -> None:
@@ -51,6 +76,10 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str):
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
 
     methods = {"phase1": split.phase1.program, "phase2": split.phase2.program}
+    # Drop the per-call copies of transposed frozen weights (see graph_passes): rewrites the
+    # phase programs in place; their inputs and outputs (what the manifest describes) stay.
+    for ep in methods.values():
+        fold_weight_transposes(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner()], compile_config=edge_cfg)

@@ -1,25 +1,20 @@
 """manifest.json: everything a device or the host needs to know about an export, and checks."""
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 FORMAT = "zerolock-export"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+MODES = ("zerolock", "bp")  # which programs an export holds: manifest["modes"]
 
 
 class ManifestError(Exception):
     """An export directory that is missing, incomplete, or whose files do not match."""
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from zl_mobile.hashing import sha256_file  # noqa: E402  (one implementation, re-exported here)
 
 
 def file_entry(root: Path, path: Path) -> dict:
@@ -59,3 +54,28 @@ def load_manifest(root: Path, check_files: bool = True) -> dict:
             if p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
                 raise ManifestError(f"{p} does not match its sha256 in the manifest (corrupt or changed): re-export it")
     return m
+
+
+def chunk_entry_for(chunk: dict, mode: str = "zerolock") -> dict:
+    """The chunk entry with program, weights and methods of the given mode, as
+    zl_mobile.program.ChunkProgram takes it: "zerolock" (the entry itself) or "bp" (the entry
+    with its "bp" object's fields laid over it)."""
+    if mode == "bp":
+        if "bp" not in chunk:
+            raise ManifestError(f"chunk {chunk.get('index')} has no BP program: re-export with zl-export --mode bp or both")
+        return {**chunk, **chunk["bp"]}
+    if mode == "zerolock":
+        if "program" not in chunk:
+            raise ManifestError(f"chunk {chunk.get('index')} has no ZeroLock program (a --mode bp export): "
+                                "re-export with zl-export --mode zerolock or both")
+        return chunk
+    raise ValueError(f"unknown mode {mode!r}: use one of {MODES}")
+
+
+def ptd_contents(path: Path) -> dict:
+    """key -> (tensor layout, bytes) of an ExecuTorch .ptd (named data) file."""
+    from executorch.exir._serialize._cord import Cord
+    from executorch.extension.flat_tensor.serialize.serialize import FlatTensorSerializer
+
+    payload = FlatTensorSerializer().deserialize(Cord(Path(path).read_bytes()))
+    return {k: (e.tensor_layout, bytes(payload.buffers[e.buffer_index])) for k, e in payload.named_data.items()}

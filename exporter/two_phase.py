@@ -4,7 +4,9 @@ phase1: ancestors of the marker (the chunk's forward). Outputs h_k first, then t
         activations phase 2 needs ("saved_i").
 phase2: readout, local loss and the LoRA backward. Inputs: LoRA tensors, h_k if used,
         saved activations, and the user inputs only phase 2 reads (loss positions, h_in).
-        Outputs: loss, task_loss, consis_loss, then one gradient per LoRA tensor.
+        Outputs: the leading user outputs named by `loss_outputs` (ZeroLock: loss, task_loss,
+        consis_loss; a BP stage: loss or nothing), then one gradient per trainable tensor.
+        The remaining user outputs (h_k) are dropped: phase 1 already returns h_k.
 
 Nodes computed from weights alone (weight transposes, RoPE/mask tables) are recomputed in
 phase 2 rather than shipped; everything that depends on the micro-batch is computed once, in
@@ -12,6 +14,7 @@ phase 1. LoRA tensors are plain inputs of both methods, so the runtime owns the 
 its optimizer state (each method would otherwise hold its own constant copy)."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +40,7 @@ class Phase:
 class SplitResult:
     phase1: Phase
     phase2: Phase
-    lora_targets: list[str]  # chunk-local LoRA parameter names, in input order
+    lora_targets: list[str]  # chunk-local trainable parameter names (LoRA, BP probe), in input order
     saved_bytes: int = 0
     info: dict = field(default_factory=dict)
 
@@ -57,7 +60,14 @@ def _tensor_bytes(node) -> int:
     return v.numel() * v.element_size()
 
 
-def split_at_marker(ep: ExportedProgram, user_input_names: list[str]) -> SplitResult:
+ZEROLOCK_LOSS_OUTPUTS = ("loss", "task_loss", "consis_loss")
+
+
+def split_at_marker(ep: ExportedProgram, user_input_names: list[str],
+                    loss_outputs: Sequence[str] = ZEROLOCK_LOSS_OUTPUTS) -> SplitResult:
+    """Split the joint graph `ep` (from _export_forward_backward) at its one pipeline marker.
+    `user_input_names` names the traced module's inputs; `loss_outputs` names the leading user
+    outputs phase 2 returns (the traced module's outputs start with them)."""
     gm, sig = ep.graph_module, ep.graph_signature
     g = gm.graph
     nodes = list(g.nodes)
@@ -70,8 +80,9 @@ def split_at_marker(ep: ExportedProgram, user_input_names: list[str]) -> SplitRe
     lora_targets = [ospecs[i].target for i in grad_idx]
     lora_set = set(lora_targets)
     user_idx = [i for i, s in enumerate(ospecs) if s.kind in (OutputKind.LOSS_OUTPUT, OutputKind.USER_OUTPUT)]
-    # user outputs are (loss, task, consis, h_k); phase 2 returns the first three
-    loss_outs = [out_nodes[i] for i in user_idx[:3]]
+    if len(loss_outputs) > len(user_idx):
+        raise ValueError(f"the traced module has {len(user_idx)} user outputs, fewer than {list(loss_outputs)}")
+    loss_outs = [out_nodes[i] for i in user_idx[:len(loss_outputs)]]
 
     placeholders = [n for n in nodes if n.op == "placeholder"]
     user_ph = [n for n in placeholders if spec_of[n.name].kind == InputKind.USER_INPUT]
@@ -128,7 +139,7 @@ def split_at_marker(ep: ExportedProgram, user_input_names: list[str]) -> SplitRe
     g2_in = state_inputs(set(p2_state)) + [lora_ph[t] for t in p2_lora] + p2_acts + p2_user
     names2 = p2_lora + [act_names[n] for n in p2_acts] + [ph_name[n] for n in p2_user]
     ep2 = _program(ep, g, g2_in, p2_outs, p2, n_user_in=len(names2), contiguous_inputs=True)
-    out_names2 = ["loss", "task_loss", "consis_loss"] + [f"grad:{t}" for t in lora_targets]
+    out_names2 = list(loss_outputs) + [f"grad:{t}" for t in lora_targets]
 
     return SplitResult(
         phase1=Phase(ep1, names1, out_names1),

@@ -142,7 +142,7 @@ def cmd_run(a) -> int:
             windows = max(1, round(a.epochs * len(train) / a.window))
         settings = RunSettings(windows=windows, window_size=a.window, lr=a.lr, alpha=a.alpha,
                                inflight_depth=a.inflight, heartbeat_timeout=a.heartbeat_timeout,
-                               inject_failure=parse_failures(a.inject_failure))
+                               inject_failure=parse_failures(a.inject_failure), recovery=a.recovery)
     run_dir.mkdir(parents=True, exist_ok=True)
     k = len(manifest["chunks"])
 
@@ -196,7 +196,7 @@ def cmd_run(a) -> int:
     summary = {"run_id": run_id, "program": str(program), "data": data or "synthetic", "windows": settings.windows,
                "window_size": settings.window_size, "micro_batches": settings.micro_batches, "lr": settings.lr,
                "seconds": result["seconds"], "samples_per_s": rows / result["seconds"],
-               "recoveries": sum(len(v) for v in result["recoveries"].values()), "errors": result["errors"]}
+               "recoveries": len(result["recoveries"]), "link_bytes": result["link_bytes"], "errors": result["errors"]}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     report = write_report(run_dir, summary)
     console.print(f"adapter: {adapter_dir}  report: {report}  metrics: {run_dir / 'metrics.jsonl'}")
@@ -260,6 +260,8 @@ def build_parser():
     r.add_argument("--wait", type=float, default=30.0, help="seconds to wait for enough devices")
     r.add_argument("--mdns", default="loopback", help="interfaces to browse: loopback, all, or an IPv4 address")
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
+    r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
+                   help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")
     r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]")
     r.set_defaults(func=cmd_run)
     v = sub.add_parser("eval", help="held-out accuracy and NLL with the trained adapter")

@@ -47,7 +47,8 @@ class StageState:
     committed: int = -1
     last_mb: int = -1
     failed_at: float | None = None
-    recoveries: list = field(default_factory=list)
+    bytes_banked: int = 0   # link bytes sent by earlier incarnations of this stage
+    bytes_out: int = 0      # ... and by the current one
 
 
 class Coordinator:
@@ -73,6 +74,7 @@ class Coordinator:
         self.metrics = open(self.run_dir / "metrics.jsonl", "a")
         self.feeder: OutboundLink | None = None
         self.errors: list[str] = []
+        self.recoveries: list[dict] = []
         self.started = time.time()
 
     # ---- setup
@@ -82,18 +84,28 @@ class Coordinator:
             raise RunError(f"{st.device.name} speaks protocol {st.client.hello['protocol_version']}, this host 1: "
                            "update the app or zl_mobile on the device")
 
+    def _entry(self, k: int) -> dict:
+        chunk = self.chunks[k]
+        return {**chunk, **chunk["bp"]} if self.settings.schedule != "zerolock" and "bp" in chunk else chunk
+
     def _push(self, st: StageState) -> None:
         chunk = self.chunks[st.k]
+        if self.settings.schedule != "zerolock":  # BP baselines run the chunk's BP program
+            if "bp" not in chunk:
+                raise RunError(f"schedule {self.settings.schedule} needs BP programs: export with zl-export --mode both")
+            chunk = {**chunk, **chunk["bp"]}
         for rel, kind in (("manifest.json", "manifest"), (chunk["program"], "program"),
                           (chunk["weights"], "weights"), (chunk["lora_init"], "other")):
             sha = self.files[rel]["sha256"] if rel in self.files else _sha(self.export_dir / rel)
             sent = st.client.push_file(self.export_dir / rel, kind, sha)
             self.on_event("push", {"stage": st.k, "device": st.device.name, "file": rel, "sent": sent})
 
-    def _assign(self, st: StageState) -> None:
+    def _assign(self, st: StageState, rollback_to: int | None = None) -> None:
         s = self.settings
         nxt = self.stages[st.k + 1] if st.k + 1 < len(self.stages) else None
-        conf = {"lr": s.lr, "weight_decay": s.weight_decay}
+        conf = {"lr": s.lr, "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches}
+        if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
+            conf["keep_checkpoints"] = s.horizon // s.window_size + 3
         if s.alpha is not None:
             conf["alpha"] = s.alpha
         mine = [{"window": f["window"], "point": f.get("point", "after-phase1")}
@@ -104,14 +116,17 @@ class Coordinator:
             "run_id": self.run_id, "stage": st.k, "num_stages": len(self.stages),
             "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
             "downstream": f"{nxt.client.address}:{nxt.data_port}" if nxt else None,
-            "program_sha256": self.files[self.chunks[st.k]["program"]]["sha256"],
+            "program_sha256": self.files[self._entry(st.k)["program"]]["sha256"],
             "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": s.horizon,
-            "buffer_capacity": s.inflight_depth, "schedule": "zerolock",
+            "buffer_capacity": s.inflight_depth, "schedule": s.schedule,
             "upstream_token": self.link_tokens[st.k], "config": conf,
         }
         if nxt:
             st.meta["downstream_token"] = self.link_tokens[st.k + 1]
-        ack = st.client.assign(st.meta)
+        meta = st.meta
+        if rollback_to is not None:
+            meta = {**meta, "config": {**conf, "restart": True, "rollback_to_window": rollback_to}}
+        ack = st.client.assign(meta)
         st.data_port = ack["data_port"]
         st.committed = ack.get("committed_window", -1)
 
@@ -168,9 +183,11 @@ class Coordinator:
         rec = {"t": ev.at, "device": ev.device, "stage": st.k, "type": msg.type.name, **msg.meta}
         if msg.type == MsgType.TELEMETRY:
             st.last_mb = max(st.last_mb, msg.get("micro_batch", -1))
-            if st.recoveries and st.recoveries[-1].get("caught_up") is None and st.last_mb >= st.recoveries[-1]["frontier"]:
-                st.recoveries[-1]["caught_up"] = time.time()
-                self.on_event("caught_up", {"stage": st.k, **st.recoveries[-1]})
+            out = msg.get("bytes_out", 0)
+            if out < st.bytes_out:  # a new incarnation of the stage started counting from zero
+                st.bytes_banked += st.bytes_out
+            st.bytes_out = out
+            self._check_caught_up()
         elif msg.type == MsgType.CHECKPOINT_COMMITTED:
             st.committed = max(st.committed, msg["window"])
         elif msg.type == MsgType.ERROR:
@@ -192,13 +209,37 @@ class Coordinator:
         frontier = max(s.last_mb for s in self.stages)
         self.on_event("failure", {"stage": st.k, "device": st.device.name, "why": why, "frontier": frontier})
         st.client.close()
+        self._rejoin(st, why, detected)
+        self._push(st)
+        if self.settings.recovery == "global-rollback":
+            self._global_rollback(st, why, detected, frontier)
+            return
+        self._assign(st)  # resumes from its own checkpoint
+        self._point_upstream_at(st)
+        st.failed_at = None
+        st.last_mb = (st.committed + 1) * self.settings.window_size - 1
+        self._record_recovery("local", [st], why, detected, frontier, resumed_after_window=st.committed)
+
+    def _global_rollback(self, failed: StageState, why: str, detected: float, frontier: int) -> None:
+        """The BP-pipeline baseline: every stage goes back to the last globally consistent
+        checkpoint and the whole pipeline replays from there."""
+        g = min(s.committed for s in self.stages)
+        for st in reversed(self.stages):  # downstream first: each needs its neighbour's new data port
+            self._assign(st, rollback_to=g)
+            st.committed = g
+            st.last_mb = (g + 1) * self.settings.window_size - 1
+        self.feeder.set_address(f"{self.stages[0].client.address}:{self.stages[0].data_port}")
+        failed.failed_at = None
+        self._record_recovery("global-rollback", self.stages, why, detected, frontier, resumed_after_window=g)
+
+    def _rejoin(self, st: StageState, why: str, detected: float) -> None:
         deadline = detected + self.settings.rejoin_timeout
         while True:
             try:
                 if st.device.restart is not None:
                     st.device.endpoint = st.device.restart()
                 self._connect(st)
-                break
+                return
             except (OSError, DeviceError) as e:
                 if time.time() > deadline:
                     raise RunError(f"stage {st.k} ({st.device.name}) did not come back within "
@@ -206,18 +247,35 @@ class Coordinator:
                                    f"and resume with zl-host run --resume {self.run_dir}") from None
                 self.on_event("waiting", {"stage": st.k, "device": st.device.name, "error": str(e)})
                 time.sleep(1.0)
-        self._push(st)
-        self._assign(st)  # resumes from its own checkpoint
+
+    def _point_upstream_at(self, st: StageState) -> None:
+        """Only the upstream neighbour learns the restarted stage's address; nobody rolls back."""
+        address = f"{st.client.address}:{st.data_port}"
         if st.k == 0:
-            self.feeder.set_address(f"{st.client.address}:{st.data_port}")
-        else:  # only the upstream neighbour learns the new address; nobody rolls back
+            self.feeder.set_address(address)
+        else:
             up = self.stages[st.k - 1]
-            up.meta["downstream"] = f"{st.client.address}:{st.data_port}"
+            up.meta["downstream"] = address
             up.client.assign({k: v for k, v in up.meta.items() if k != "request_id"})
-        st.failed_at = None
-        st.recoveries.append({"why": why, "detected": detected, "rejoined": time.time(), "frontier": frontier,
-                              "resumed_after_window": st.committed, "caught_up": None})
-        self.on_event("rejoined", {"stage": st.k, "device": st.device.name, "resumed_after_window": st.committed})
+
+    def _record_recovery(self, kind, stages, why, detected, frontier, resumed_after_window) -> None:
+        rec = {"kind": kind, "stages": [s.k for s in stages], "why": why, "detected": detected,
+               "rejoined": time.time(), "frontier": frontier, "resumed_after_window": resumed_after_window,
+               "caught_up": None, "bytes_at_detection": self.link_bytes()}
+        self.recoveries.append(rec)
+        self.on_event("rejoined", {"stage": stages[0].k if len(stages) == 1 else "all", "kind": kind,
+                                   "device": ",".join(s.device.name for s in stages),
+                                   "resumed_after_window": resumed_after_window})
+
+    def _check_caught_up(self) -> None:
+        for rec in self.recoveries:
+            if rec["caught_up"] is None and all(self.stages[k].last_mb >= rec["frontier"] for k in rec["stages"]):
+                rec["caught_up"] = time.time()
+                self.on_event("caught_up", {k: v for k, v in rec.items() if k != "stages"})
+
+    def link_bytes(self) -> int:
+        """Hidden-state bytes sent on every link so far (host feed included)."""
+        return sum(s.bytes_banked + s.bytes_out for s in self.stages) + (self.feeder.bytes_sent if self.feeder else 0)
 
     # ---- the end
     def finish(self) -> dict:
@@ -230,10 +288,8 @@ class Coordinator:
         if self.feeder:
             self.feeder.close()
         self.metrics.close()
-        return {"lora": lora, "recoveries": {st.k: st.recoveries for st in self.stages},
+        return {"lora": lora, "recoveries": self.recoveries, "link_bytes": self.link_bytes(),
                 "seconds": time.time() - self.started, "errors": self.errors}
 
 
-def _sha(path: Path) -> str:
-    from exporter.manifest import sha256_file
-    return sha256_file(path)
+from zl_mobile.hashing import sha256_file as _sha  # noqa: E402

@@ -36,8 +36,12 @@ class LiveView:
                 t.add_row(str(k), "-", "-", "-", "-", "-", "-", "-", "-")
                 continue
             busy = s["active_s"] + s["wait_s"]
-            t.add_row(str(k), s["device"], str(s["window"]), str(s["step"]), f"{s['task_loss']:.4f}",
-                      f"{s['consis_loss']:.4f}", f"{s.get('pss_bytes', 0) / 2**20:.0f}",
+            t.add_row(str(k), s["device"], str(s["window"]), str(s["step"]), _fmt(s.get('task_loss')),
+                      _fmt(s.get('consis_loss')), f"{s.get('pss_bytes', 0) / 2**20:.0f}",
                       f"{s['temperature_c']:.1f}" if "temperature_c" in s else "n/a",
                       f"{100 * s['active_s'] / busy:.0f}%" if busy else "-")
         return t
+
+
+def _fmt(v) -> str:
+    return "-" if v is None else f"{v:.4f}"

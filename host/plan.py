@@ -21,6 +21,7 @@ class RunSettings:
     rejoin_timeout: float = 60.0  # how long to wait for a failed real phone to come back
     inject_failure: list | None = None  # [{"stage": K, "window": W, "point": ...}, ...]
     recovery: str = "local"       # or "global-rollback"
+    schedule: str = "zerolock"    # or a BP baseline: gpipe, 1f1b, pipedream
 
     @property
     def horizon(self) -> int:

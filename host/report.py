@@ -27,8 +27,10 @@ def write_report(run_dir: Path, summary: dict) -> Path:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for k in stages:
         rs = [r for r in tel if r["stage"] == k]
-        axes[0].plot([r["micro_batch"] for r in rs], [r["task_loss"] for r in rs], label=f"stage {k}")
-        axes[1].plot([r["micro_batch"] for r in rs], [r["consis_loss"] for r in rs], label=f"stage {k}")
+        axes[0].plot([r["micro_batch"] for r in rs if "task_loss" in r], [r["task_loss"] for r in rs if "task_loss" in r],
+                     label=f"stage {k}")
+        axes[1].plot([r["micro_batch"] for r in rs if "consis_loss" in r],
+                     [r["consis_loss"] for r in rs if "consis_loss" in r], label=f"stage {k}")
     axes[0].set(title="task loss (CE) per stage", xlabel="micro-batch", ylabel="loss")
     axes[1].set(title="consistency loss (KL to previous chunk)", xlabel="micro-batch")
     for ax in axes:
@@ -82,8 +84,10 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         r = last[k]
         first = next(x for x in tel if x["stage"] == k)
         busy = r["active_s"] + r["wait_s"]
-        rows.append(f"| {k} | {r['device']} | {first['loss']:.4f} | {r['loss']:.4f} | {r['task_loss']:.4f} | "
-                    f"{r['consis_loss']:.4f} | {r.get('pss_bytes', 0) / 2**20:.0f} | "
+        def f(v):
+            return "-" if v is None else f"{v:.4f}"
+        rows.append(f"| {k} | {r['device']} | {f(first.get('loss'))} | {f(r.get('loss'))} | {f(r.get('task_loss'))} | "
+                    f"{f(r.get('consis_loss'))} | {r.get('pss_bytes', 0) / 2**20:.0f} | "
                     f"{r.get('temperature_c', 'n/a')} | {100 * r['active_s'] / busy if busy else 0:.0f}% |")
     md = [f"# ZeroLock run {summary.get('run_id', '')}", "",
           f"- program: `{summary.get('program')}`", f"- data: {summary.get('data')}",

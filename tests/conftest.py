@@ -46,7 +46,7 @@ def small_export(small_model_dir, tmp_path_factory):
 
     cfg = small_export_config()
     out = tmp_path_factory.mktemp("export") / "out"
-    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg)
+    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"))
     return out, manifest, artifacts, cfg
 
 
@@ -70,7 +70,9 @@ def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones
     from host.coordinator import Coordinator
     from host.emulate import start_phones
 
-    phones = start_phones(n_phones, root / "phones", extra_args=phone_args)
+    import os
+
+    phones = start_phones(n_phones, root / "phones", prefix=f"t{os.getpid()}-", extra_args=phone_args)
     try:
         devices = [p.handle() for p in phones]
         co = Coordinator(export_dir, devices, micro_batches, settings, root / "run", run_id="test", on_event=on_event)

@@ -21,6 +21,7 @@ def _commits(records):
     return sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED")
 
 
+@pytest.mark.parametrize("recovery", ["local"])
 @pytest.mark.parametrize("failures", [
     [{"stage": 1, "window": 1, "point": "after-phase1"}],
     [{"stage": 1, "window": 1, "point": "before-commit"}],
@@ -30,10 +31,10 @@ def _commits(records):
     [{"stage": 1, "window": 1, "point": "after-phase1"}, {"stage": 1, "window": 2, "point": "mid-checkpoint"}],
 ], ids=["mid-stage-after-phase1", "between-step-and-commit", "mid-checkpoint", "first-stage", "last-stage",
         "two-failures-in-a-row"])
-def test_injected_failure_ends_with_the_uninterrupted_lora(baseline, tmp_path, failures):
+def test_injected_failure_ends_with_the_uninterrupted_lora(baseline, tmp_path, failures, recovery):
     out, mbs, base, base_records = baseline
     events = []
-    settings = RunSettings(**SETTINGS, inject_failure=failures)
+    settings = RunSettings(**SETTINGS, inject_failure=failures, recovery=recovery)
     result, records = run_pipeline(out, tmp_path, settings, mbs, on_event=lambda k, d: events.append((k, d)))
     failed = [d["stage"] for k, d in events if k == "failure"]
     assert failed == [f["stage"] for f in failures]  # each injected failure was detected, once
@@ -43,7 +44,25 @@ def test_injected_failure_ends_with_the_uninterrupted_lora(baseline, tmp_path, f
     assert diff <= 1e-6
     # every window committed exactly once per stage: none lost, none applied twice
     assert _commits(records) == _commits(base_records)
+    assert len(result["recoveries"]) == len(failures) and all(r["caught_up"] for r in result["recoveries"])
     # the other stages never rolled back: their commits are strictly increasing in time
     for k in {0, 1, 2} - set(failed):
         ws = [r["window"] for r in records if r["type"] == "CHECKPOINT_COMMITTED" and r["stage"] == k]
         assert ws == sorted(ws)
+
+
+def test_global_rollback_baseline_also_ends_with_the_uninterrupted_lora(baseline, tmp_path):
+    """The BP-pipeline baseline rolls every stage back to the last globally consistent
+    checkpoint: correct too, but everyone replays (and re-commits the rolled-back windows)."""
+    out, mbs, base, base_records = baseline
+    failures = [{"stage": 1, "window": 2, "point": "after-phase1"}]
+    settings = RunSettings(**SETTINGS, inject_failure=failures, recovery="global-rollback")
+    result, records = run_pipeline(out, tmp_path, settings, mbs)
+    diff = max(float(np.abs(result["lora"][n] - base["lora"][n]).max()) for n in base["lora"])
+    assert diff <= 1e-6
+    (rec,) = result["recoveries"]
+    assert rec["kind"] == "global-rollback" and rec["stages"] == [0, 1, 2] and rec["caught_up"]
+    commits = _commits(records)
+    g = rec["resumed_after_window"]
+    # stages other than the failed one committed windows after g twice: they really rolled back
+    assert any(commits.count((k, w)) == 2 for k in (0, 2) for w in range(g + 1, 4))

@@ -6,7 +6,6 @@ Only COMMITTED says what exists: a crash at any point leaves the previous commit
 window is never lost (it is redone from the previous commit) and never applied twice."""
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -39,12 +38,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from .hashing import sha256_file as _sha256  # noqa: E402
 
 
 class CheckpointStore:
@@ -99,6 +93,33 @@ class CheckpointStore:
             raise CheckpointError(f"{p} is not valid JSON: the stage's checkpoint record is corrupt; "
                                   "delete the stage work dir to restart this stage from scratch") from None
 
+    def rollback(self, window: int) -> None:
+        """Make the checkpoint of `window` the committed one again (-1: none, start fresh); later
+        checkpoints are deleted. Used by the global-rollback baseline, which a BP pipeline needs."""
+        if window < 0:
+            (self.dir / POINTER).unlink(missing_ok=True)
+            later = list(self.dir.glob("ckpt-*.safetensors"))
+        else:
+            name = f"ckpt-{window:08d}.safetensors"
+            path = self.dir / name
+            if not path.exists():
+                raise CheckpointError(f"no checkpoint of window {window} is kept here (keep={self.keep}): "
+                                      "raise keep_checkpoints to cover the rollback horizon")
+            tmp = self.dir / (POINTER + ".tmp")
+            tmp.write_text(json.dumps({"window": window, "step": int(self._meta_of(path)["step"]), "file": name,
+                                       "sha256": _sha256(path)}))
+            os.replace(tmp, self.dir / POINTER)
+            later = [f for f in self.dir.glob("ckpt-*.safetensors") if f.name > name]
+        _fsync_dir(self.dir)
+        for f in later:
+            f.unlink(missing_ok=True)
+
+    @staticmethod
+    def _meta_of(path: Path) -> dict:
+        from safetensors import safe_open
+        with safe_open(str(path), "pt") as f:
+            return f.metadata()
+
     def load(self) -> Checkpoint | None:
         """The last committed checkpoint, or None. Uncommitted files are ignored."""
         ptr = self.pointer()
@@ -109,9 +130,7 @@ class CheckpointStore:
             raise CheckpointError(f"committed checkpoint {path} is missing or does not match its sha256: "
                                   "storage is corrupt; delete the stage work dir to restart the stage")
         tensors = load_file(str(path))
-        from safetensors import safe_open
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
+        meta = self._meta_of(path)
         return Checkpoint(window=int(meta["window"]), step=int(meta["step"]),
                           lora={k[5:]: v for k, v in tensors.items() if k.startswith("lora/")},
                           optimizer={k[4:]: v for k, v in tensors.items() if k.startswith("opt/")},

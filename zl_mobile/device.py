@@ -26,12 +26,7 @@ log = logging.getLogger("zl_mobile.device")
 CAPABILITIES = ["executorch", "lora", "replay", "two-phase"]
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from .hashing import sha256_file  # noqa: E402
 
 
 class Device:
@@ -212,6 +207,10 @@ class Device:
             raise self._reject(msg, f"stage {k} of {meta['num_stages']} does not fit the program: the export has "
                                     f"{len(chunks)} chunks; assign one stage per chunk")
         chunk = chunks[k]
+        if meta.get("schedule", "zerolock") != "zerolock":  # BP baselines run the chunk's BP program
+            if "bp" not in chunk:
+                raise self._reject(msg, f"schedule {meta['schedule']} needs the chunk's BP program: export with --mode both")
+            chunk = {**chunk, **chunk["bp"]}
         sizes = {f["path"]: f for f in manifest["files"]}
         for key in ("program", "weights", "lora_init"):
             entry = sizes[chunk[key]]
@@ -227,7 +226,7 @@ class Device:
             raise self._reject(msg, f"STAGE_ASSIGN for stage {k} lacks upstream_token: the stage needs the pairing "
                                     "token of its upstream link (section 6) to accept it")
         cfg = StageConfig.from_assign(meta)
-        same = (self.stage is not None and self.stage_meta is not None
+        same = (self.stage is not None and self.stage_meta is not None and not (meta.get("config") or {}).get("restart")
                 and self.stage_meta.get("run_id") == meta.get("run_id") and self.stage_meta["stage"] == k)
         if same:  # a rewire after a neighbour restarted: keep the running stage
             self.stage.rewire(cfg.downstream)

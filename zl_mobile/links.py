@@ -32,7 +32,7 @@ class ReplayHorizonPassed(Exception):
 
 class OutboundLink:
     def __init__(self, name: str, token: str, *, window_size: int, replay_horizon: int,
-                 limiter=None, on_error=None, on_committed=None):
+                 limiter=None, on_error=None, on_committed=None, on_gradient=None):
         self.name = name
         self.token = token
         self.window_size = window_size
@@ -40,6 +40,7 @@ class OutboundLink:
         self.limiter = limiter
         self.on_error = on_error or (lambda msg: log.error(msg))
         self.on_committed = on_committed or (lambda meta: None)
+        self.on_gradient = on_gradient or (lambda msg: None)  # BP baselines: dL/dh_k from downstream
         self._address: str | None = None
         self._buffer: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._pruned_below = 0      # every micro-batch < this was dropped from the buffer
@@ -181,6 +182,8 @@ class OutboundLink:
                         for mb in [k for k in self._buffer if k // self.window_size <= w]:
                             del self._buffer[mb]
                         self.on_committed(msg.meta)
+                    elif msg.type == MsgType.GRADIENT:
+                        self.on_gradient(msg)
                     elif msg.type == MsgType.ERROR:
                         log.error("%s: downstream error %s: %s", self.name, msg["code"], msg["message"])
                     self._cond.notify_all()
@@ -193,10 +196,13 @@ class OutboundLink:
 class InboundQueue:
     """Hidden states received from upstream, by micro-batch id, bounded by the credits granted."""
 
-    def __init__(self):
+    def __init__(self, drop_older: bool = True):
         self._items: dict[int, Message] = {}
         self._cond = threading.Condition()
         self._stop = False
+        # hidden states are taken in order, so older ones left behind are stale duplicates;
+        # gradients (GPipe) are taken in reverse order and must all stay
+        self.drop_older = drop_older
 
     def put(self, msg: Message) -> None:
         with self._cond:
@@ -214,8 +220,9 @@ class InboundQueue:
                 self._cond.wait(timeout=left if left is not None else 0.5)
             if self._stop and mb not in self._items:
                 return None
-            for k in [k for k in self._items if k < mb]:
-                del self._items[k]
+            if self.drop_older:
+                for k in [k for k in self._items if k < mb]:
+                    del self._items[k]
             return self._items.pop(mb)
 
     def __len__(self) -> int:
@@ -303,6 +310,16 @@ class InboundLink:
         conn = self._conn
         if conn is not None:
             conn.try_send(Message(MsgType.CREDIT, {"credits": n}))
+
+    def send_gradient(self, mb: int, grad) -> int:
+        """BP baselines: dL/dh_{k-1} goes back upstream over the same link."""
+        conn = self._conn
+        if conn is None:
+            return 0
+        try:
+            return conn.send(Message(MsgType.GRADIENT, {"micro_batch": mb}, {"grad_h": grad}))
+        except OSError:
+            return 0
 
     def committed(self, window: int, step: int, sha: str) -> None:
         conn = self._conn

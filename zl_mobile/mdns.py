@@ -32,7 +32,12 @@ class Advertisement:
         self.zc = _zeroconf(interfaces)
         self.info = ServiceInfo(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}", addresses=[socket.inet_aton(address)],
                                 port=port, properties=txt, server=f"{name}.local.")
-        self.zc.register_service(self.info, allow_name_change=False)
+        # another device with the same instance name gets a suffixed instance; TXT keeps our name
+        self.zc.register_service(self.info, allow_name_change=True)
+
+    @property
+    def instance(self) -> str:
+        return self.info.name
 
     def close(self) -> None:
         try:

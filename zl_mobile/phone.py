@@ -102,7 +102,7 @@ def main(argv=None) -> int:
             address = a.bind if a.bind != "0.0.0.0" else "127.0.0.1"
             adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, "zl_mobile", total_memory_bytes()),
                                          address=address, interfaces=interfaces))
-            print(f"advertised as {a.name}._zerolock._tcp.local. on {a.mdns}", flush=True)
+            print(f"advertised as {adverts[-1].instance} on {a.mdns}", flush=True)
 
     try:
         serve(device, a.port, bind=a.bind, ready=ready)

@@ -55,15 +55,16 @@ class ChunkProgram:
             args.append(t.contiguous())
         return tuple(args)
 
+    def run(self, method: str, values: dict) -> dict:
+        """Call a method with inputs picked by name; returns its outputs by name."""
+        outs = self._module.run_method(method, self._args(method, values))
+        return dict(zip((o["name"] for o in self.methods[method]["outputs"]), outs))
+
     def phase1(self, lora: dict, batch: dict):
-        outs = self._module.run_method("phase1", self._args("phase1", {**batch, **lora}))
-        names = [o["name"] for o in self.methods["phase1"]["outputs"]]
-        saved = dict(zip(names, outs))
+        saved = self.run("phase1", {**batch, **lora})
         return saved["h_out"], saved
 
     def phase2(self, lora: dict, saved: dict, batch: dict) -> StepResult:
-        outs = self._module.run_method("phase2", self._args("phase2", {**batch, **saved, **lora}))
-        names = [o["name"] for o in self.methods["phase2"]["outputs"]]
-        res = dict(zip(names, outs))
+        res = self.run("phase2", {**batch, **saved, **lora})
         grads = {n[5:]: g for n, g in res.items() if n.startswith("grad:")}
         return StepResult(float(res["loss"]), float(res["task_loss"]), float(res["consis_loss"]), grads)

@@ -47,6 +47,9 @@ class StageConfig:
     lr: float = 1e-3
     weight_decay: float = 0.0
     alpha: float | None = None  # None: the export's default
+    keep_checkpoints: int = 2
+    total_micro_batches: int | None = None
+    rollback_to_window: int | None = None  # global-rollback baseline: restart from this window's checkpoint
     inject_failure: list | None = None  # [{"window": W, "point": one of FAILURE_POINTS}, ...]
     extra: dict = field(default_factory=dict)
 
@@ -59,6 +62,7 @@ class StageConfig:
                    inflight_depth=meta.get("inflight_depth", 2), replay_horizon=meta.get("replay_horizon", 16),
                    schedule=meta.get("schedule", "zerolock"), lr=conf.get("lr", 1e-3),
                    weight_decay=conf.get("weight_decay", 0.0), alpha=conf.get("alpha"),
+                   keep_checkpoints=conf.get("keep_checkpoints", 2), total_micro_batches=conf.get("total_micro_batches"), rollback_to_window=conf.get("rollback_to_window"),
                    inject_failure=conf.get("inject_failure"))
 
 
@@ -69,12 +73,19 @@ class Stage:
         self.alpha = torch.tensor([cfg.alpha if cfg.alpha is not None else export["alpha"]], dtype=torch.float32)
         readout_rows = export["readout_rows"]
         self.k = cfg.stage
-        self.program = ChunkProgram(export_dir, chunk)
+        self.bp = cfg.schedule != "zerolock"  # BP baselines run the chunk's BP program
+        entry = {**chunk, **chunk["bp"]} if self.bp else chunk
+        self.program = ChunkProgram(export_dir, entry)
         self.first_input = chunk["first_input"]
+        self.is_last = cfg.stage == cfg.num_stages - 1
+        probe = next((t for t in self.program.input_spec("phase1") if t["name"] == "grad_probe"), None)
+        self._probe = {"grad_probe": torch.zeros(probe["shape"])} if probe else {}
         self.readout_rows = readout_rows
         self.to_host = to_host  # callable(Message), best effort
         self.workdir = Path(workdir)
-        self.store = CheckpointStore(self.workdir / "stages" / cfg.run_id / f"stage_{self.k}")
+        self.store = CheckpointStore(self.workdir / "stages" / cfg.run_id / f"stage_{self.k}", keep=cfg.keep_checkpoints)
+        if cfg.rollback_to_window is not None:
+            self.store.rollback(cfg.rollback_to_window)
         self.store.fail_hook = lambda point: self._maybe_fail(point, self._window)
         self.clock = ActivityClock()
         self._window = -1
@@ -91,8 +102,10 @@ class Stage:
             self.committed = ckpt.window
         W = cfg.window_size
         self.next_mb = (self.committed + 1) * W
-        self._acc = {n: torch.zeros_like(p) for n, p in self.lora.items()}
-        self._in_window = 0
+        self._acc: dict[int, dict] = {}       # window -> summed LoRA grads
+        self._count: dict[int, int] = {}      # window -> micro-batches accumulated
+        self._pending: dict[int, dict] = {}   # micro-batch -> what its L/B step needs (saved activations...)
+        self.grads_in = InboundQueue(drop_older=False)  # BP: dL/dh_k from downstream, by micro-batch
         self.done_micro_batches = 0
         self.pss_peak = 0
 
@@ -105,7 +118,7 @@ class Stage:
         if cfg.downstream_token:
             self.outbound = OutboundLink(f"stage{self.k}-out", cfg.downstream_token, window_size=W,
                                          replay_horizon=cfg.replay_horizon, limiter=limiter,
-                                         on_error=self._report_error)
+                                         on_error=self._report_error, on_gradient=self.grads_in.put)
             self.outbound.set_address(cfg.downstream)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"stage{self.k}", daemon=True)
@@ -123,25 +136,37 @@ class Stage:
     def stop(self) -> None:
         self._stop.set()
         self.queue.stop()
+        self.grads_in.stop()
         self._thread.join(timeout=10)
         self.inbound.close()
         if self.outbound is not None:
             self.outbound.close()
 
-    # ---- the loop
+    # ---- the loop: run the schedule's actions in order
     def _run(self) -> None:
-        while not self._stop.is_set():
-            with self.clock.span("wait"):
-                msg = self.queue.take(self.next_mb, timeout=0.5)
-            if msg is None:
-                continue
-            self.inbound.grant(1)
+        from .schedules import schedule
+
+        actions = schedule(self.cfg.schedule, self.k, self.cfg.num_stages, self.cfg.window_size,
+                           first_window=self.committed + 1, total=self.cfg.total_micro_batches)
+        for action in actions:
+            if self._stop.is_set():
+                return
             try:
-                self._micro_batch(msg)
-            except Exception as e:  # report, then keep serving: the host decides what to do
-                log.exception("stage %d failed on micro-batch %d", self.k, msg["micro_batch"])
-                self._report_error(f"stage {self.k} failed on micro-batch {msg['micro_batch']}: {e}")
-                self._stop.wait(1.0)
+                {"F": self._forward, "L": self._local_step, "B": self._backward, "STEP": self._end_window}[action.op](action.mb)
+            except _Stopped:
+                return
+            except Exception as e:  # report, then stop this stage: the host decides what to do
+                log.exception("stage %d failed at %r", self.k, action)
+                self._report_error(f"stage {self.k} failed at {action!r}: {e}")
+                return
+
+    def _wait(self, q: InboundQueue, mb: int) -> Message:
+        with self.clock.span("wait"):
+            while not self._stop.is_set():
+                msg = q.take(mb, timeout=0.5)
+                if msg is not None:
+                    return msg
+        raise _Stopped
 
     def _batch(self, msg: Message) -> dict:
         t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in msg.tensors.items()}
@@ -150,62 +175,91 @@ class Stage:
                 "loss_index": torch.from_numpy(index), "loss_target": torch.from_numpy(target),
                 "loss_weight": torch.from_numpy(weight), "alpha": self.alpha, "_dropped": dropped}
 
-    def _micro_batch(self, msg: Message) -> None:
-        mb, w = msg["micro_batch"], msg["window"]
+    def _forward(self, mb: int) -> None:
+        """Phase 1, then h_k downstream at once (early forwarding)."""
+        msg = self._wait(self.queue, mb)
+        self.inbound.grant(1)
+        self.next_mb = mb + 1
+        w = msg["window"]
         W = self.cfg.window_size
         if w != mb // W:
             raise ValueError(f"micro-batch {mb} labelled window {w}, expected {mb // W} for window size {W}")
         self._window = w
         batch = self._batch(msg)
+        # PipeDream's weight stashing: the backward must use the weights this forward used
+        lora = {n: t.clone() for n, t in self.lora.items()} if self.cfg.schedule == "pipedream" else self.lora
         t0 = time.time()
         with self.clock.span("phase1"):
-            h, saved = self.program.phase1(self.lora, batch)
+            h, saved = self.program.phase1(lora, {**batch, **self._probe})
         t1 = time.time()
-        if self.outbound is not None:  # early forwarding: h_k leaves before phase 2 starts
+        if self.outbound is not None:
             extras = {k: v for k, v in msg.tensors.items() if k != "h"}
             self.outbound.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": w},
                                           {"h": h.detach().clone().numpy(), **extras}))
             self.outbound.pump()
-        t_pub = time.time()
+        self._pending[mb] = {"saved": saved, "batch": batch, "lora": lora, "window": w,
+                             "t": {"phase1_start": t0, "phase1_end": t1, "published": time.time(),
+                                   "received": self.inbound.received_at.pop(mb, None)}}
         self._maybe_fail("after-phase1", w)
+
+    def _local_step(self, mb: int) -> None:
+        """ZeroLock phase 2: local loss and LoRA grads from what phase 1 saved."""
+        p = self._pending.pop(mb)
         with self.clock.span("phase2"):
-            res = self.program.phase2(self.lora, saved, batch)
-        del saved, h  # saved activations go as soon as phase 2 has run
-        t2 = time.time()
-        for n, g in res.grads.items():
-            self._acc[n].add_(g)
-        self._in_window += 1
-        self.next_mb = mb + 1
+            res = self.program.phase2(p["lora"], p["saved"], p["batch"])
+        del p["saved"]  # saved activations go as soon as phase 2 has run
+        self._accumulate(p["window"], res.grads)
+        self._telemetry(mb, p, {"loss": res.loss, "task_loss": res.task_loss, "consis_loss": res.consis_loss})
+
+    def _backward(self, mb: int) -> None:
+        """BP baselines: backward from dL/dh_k (or the loss, on the last stage); dL/dh_{k-1} goes upstream."""
+        p = self._pending.pop(mb)
+        values = {**p["batch"], **p["saved"], **p["lora"]}
+        if not self.is_last:
+            g = self._wait(self.grads_in, mb)
+            values["grad_h_out"] = torch.from_numpy(np.ascontiguousarray(g.tensors["grad_h"]))
+        with self.clock.span("phase2"):
+            out = self.program.run("phase2", values)
+        del p["saved"], values
+        if "grad_h_in" in out and self.k > 0:
+            self.inbound.send_gradient(mb, out["grad_h_in"].detach().clone().numpy())
+        grads = {n[5:]: t for n, t in out.items() if n.startswith("grad:")}
+        self._accumulate(p["window"], grads)
+        loss = float(out["loss"]) if "loss" in out else None
+        self._telemetry(mb, p, {"loss": loss, "task_loss": loss})
+
+    def _accumulate(self, w: int, grads: dict) -> None:
+        acc = self._acc.setdefault(w, {n: torch.zeros_like(t) for n, t in self.lora.items()})
+        for n, g in grads.items():
+            acc[n].add_(g)
+        self._count[w] = self._count.get(w, 0) + 1
         self.done_micro_batches += 1
+
+    def _telemetry(self, mb: int, p: dict, losses: dict) -> None:
         pss = read_pss_bytes()
         self.pss_peak = max(self.pss_peak, pss or 0)
         self.to_host(Message(MsgType.TELEMETRY, _present({
-            "kind": "micro_batch", "stage": self.k, "micro_batch": mb, "window": w, "step": self.opt.step_count,
-            "loss": res.loss, "task_loss": res.task_loss, "consis_loss": res.consis_loss,
-            "phase1_start": t0, "phase1_end": t1, "published": t_pub, "phase2_end": t2,
-            "received": self.inbound.received_at.pop(mb, None),
+            "kind": "micro_batch", "stage": self.k, "micro_batch": mb, "window": p["window"],
+            "step": self.opt.step_count, "schedule": self.cfg.schedule, **losses, **p["t"], "phase2_end": time.time(),
             # when h_k was handed to the link (None: no credit yet, the link thread sends it later)
             "forwarded": self.outbound.sent_at.pop(mb, None) if self.outbound else None,
             "active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
             "bytes_in": self.inbound.bytes_received, "bytes_out": self.outbound.bytes_sent if self.outbound else 0,
-            "pss_bytes": pss, "temperature_c": read_temperature_c(), "readout_dropped": batch["_dropped"],
+            "pss_bytes": pss, "pss_peak_bytes": self.pss_peak, "temperature_c": read_temperature_c(),
+            "readout_dropped": p["batch"]["_dropped"], "in_flight": len(self._pending),
             "spans": [[k, a, b] for k, a, b in self.clock.drain_spans()],
         })))
-        if (mb + 1) % W == 0:
-            self._end_window(w)
 
     def _end_window(self, w: int) -> None:
-        n = max(self._in_window, 1)
+        acc = self._acc.pop(w)
+        n = max(self._count.pop(w), 1)
         with self.clock.span("step"):
-            self.opt.step({k: g / n for k, g in self._acc.items()})
+            self.opt.step({k: g / n for k, g in acc.items()})
             self._maybe_fail("before-commit", w)
             sha = self.store.commit(Checkpoint(window=w, step=self.opt.step_count, lora=self.lora,
                                                optimizer=self.opt.state_tensors(),
                                                meta={"next_micro_batch": (w + 1) * self.cfg.window_size}))
         self.committed = w
-        for g in self._acc.values():
-            g.zero_()
-        self._in_window = 0
         self.to_host(Message(MsgType.CHECKPOINT_COMMITTED, {"window": w, "step": self.opt.step_count, "sha256": sha,
                                                             "stage": self.k}))
         self.inbound.committed(w, self.opt.step_count, sha)
@@ -233,6 +287,10 @@ class Stage:
 
     def lora_state(self) -> dict:
         return {n: t.clone() for n, t in self.lora.items()}
+
+
+class _Stopped(Exception):
+    """The stage was stopped while waiting."""
 
 
 def _present(meta: dict) -> dict:

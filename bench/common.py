@@ -1,0 +1,117 @@
+"""Small helpers shared by the benchmark scripts: process memory, machine description, timing."""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:  # run as `python bench/x.py` from anywhere
+    sys.path.insert(0, str(REPO))
+
+MiB = 1 << 20
+
+
+def proc_status() -> dict:
+    """VmRSS / VmHWM (peak RSS) of this process in bytes, from /proc/self/status."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile"):
+                out[key] = int(rest.split()[0]) * 1024
+    return out
+
+
+def pss_bytes() -> int | None:
+    """Proportional set size of this process now, from /proc/self/smaps_rollup (None if absent)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def maxrss_bytes() -> int:
+    """Peak RSS of this process over its life (getrusage; kilobytes on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), so a later VmHWM is the peak of one phase."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_snapshot() -> dict:
+    s = proc_status()
+    return {"rss": s.get("VmRSS"), "hwm": s.get("VmHWM"), "rss_anon": s.get("RssAnon"),
+            "rss_file": s.get("RssFile"), "pss": pss_bytes(), "ru_maxrss": maxrss_bytes()}
+
+
+def machine() -> dict:
+    model = platform.processor() or "unknown"
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    mem = None
+    try:
+        with open("/proc/meminfo") as f:
+            mem = int(f.readline().split()[1]) * 1024
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "mem_total": mem, "kernel": platform.release(),
+            "python": platform.python_version()}
+
+
+def now_iso() -> str:
+    return datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def median(xs) -> float:
+    return float(statistics.median(xs)) if xs else float("nan")
+
+
+def gib(n) -> str:
+    return "-" if n is None else f"{n / (1 << 30):.2f} GiB"
+
+
+def mib(n) -> str:
+    return "-" if n is None else f"{n / MiB:,.0f} MiB"
+
+
+def replace_md_section(path: Path, heading: str, body: str, title: str, keep_from: str | None = None) -> None:
+    """Write `heading` + body into a markdown file, replacing that section (up to the next '## ')
+    and leaving the other sections as they are. If `keep_from` (a sub-heading) is present in the
+    old section, the old text from it to the section's end is kept after the new body."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else f"# {title}\n"
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == heading), None)
+    kept = ""
+    if start is None:
+        before, after = text.rstrip("\n") + "\n\n", ""
+    else:
+        end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        old = "".join(lines[start:end])
+        if keep_from and keep_from in old:
+            kept = old[old.index(keep_from):].rstrip("\n") + "\n"
+        before, after = "".join(lines[:start]), "".join(lines[end:])
+    section = heading + "\n\n" + body.rstrip("\n") + "\n" + ("\n" + kept if kept else "")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(before + section + ("\n" + after if after else ""))

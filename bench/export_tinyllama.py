@@ -1,0 +1,633 @@
+"""Benchmark zl-export on TinyLlama-1.1B shapes (random init).
+
+hidden 2048, intermediate 5632, 22 layers, 32 heads, 4 KV heads, vocab 32000; chunks 0-6,7-13,14-21;
+B=1, S=128. For every exported chunk it prints, in one run:
+  * export time and file sizes (.pte program, .ptd frozen weights, LoRA init);
+  * median phase 1 / phase 2 step time in ExecuTorch against the same chunk's eager PyTorch
+    forward + loss.backward() on the same CPU and thread count (torch and the ExecuTorch
+    threadpool both set to --threads), steps alternating in one process, and the ratio
+    (target <= 1.5x);
+  * the peak memory (VmHWM / ru_maxrss, and PSS from smaps_rollup) of a fresh process that
+    loads that one chunk and runs steps, against the floor = .ptd size + saved activations + h_k
+    (target <= 1.25x), raw and net of the RSS of a process that has only imported the runtime;
+  * with --profile, an ETDump per-operator profile of one warm step (delegated vs portable).
+Results go to bench/results/export_tinyllama.json (merged by chunk/settings across runs) and to
+the "## Export (zl-export)" section of docs/BENCHMARKS.md.
+
+  python bench/export_tinyllama.py --only-chunk 1                  # export + measure chunk 1
+  python bench/export_tinyllama.py --loss-positions 128,16         # all chunks, both readout sizes
+  python bench/export_tinyllama.py --skip-export /tmp/zl_bench/lp128 --only-chunk 1 --profile
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import (REPO, machine, memory_snapshot, median, mib, now_iso, proc_status,  # noqa: E402
+                    replace_md_section, reset_peak_rss)
+
+TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                 num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+# A much smaller model with the same layer count, for a quick check of this script.
+SMOKE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=22, num_attention_heads=8,
+             num_key_value_heads=2, vocab_size=2048, max_position_embeddings=256)
+CONFIGS = {"tinyllama": TINYLLAMA, "smoke": SMOKE}
+MODEL_SEED = 0
+TIME_TARGET = 1.5
+MEM_TARGET = 1.25
+RESULTS = REPO / "bench" / "results" / "export_tinyllama.json"
+DOC = REPO / "docs" / "BENCHMARKS.md"
+HEADING = "## Export (zl-export)"
+FINDINGS = "### Findings"
+
+
+# --------------------------------------------------------------------------------------------
+# worker: a fresh process that only imports the runtime, or loads one chunk and runs steps
+# --------------------------------------------------------------------------------------------
+
+def _runtime_imports():
+    """Everything a device-side process imports to run a chunk (the baseline process too)."""
+    import torch  # noqa: F401
+    from executorch.extension.pybindings import portable_lib
+
+    from exporter.chunk_model import example_inputs, input_names
+    from exporter.config import ExportConfig
+    from exporter.verify import sample_lora
+    from zl_mobile.program import ChunkProgram
+    return portable_lib, example_inputs, input_names, ExportConfig, sample_lora, ChunkProgram
+
+
+def _batch(manifest, entry):
+    _, example_inputs, input_names, ExportConfig, _, _ = _runtime_imports()
+    e = manifest["export"]
+    cfg = ExportConfig(seq_len=e["seq_len"], micro_batch=e["micro_batch"], loss_positions=e["loss_positions"])
+    mc = manifest["model"]["config"]
+
+    class Stub:  # example_inputs only asks whether the chunk owns the embedding
+        is_first = entry["layers"][0] == 0
+
+    inputs = example_inputs(Stub, cfg, mc["vocab_size"], mc["hidden_size"], seed=1)
+    return inputs, dict(zip(input_names(Stub.is_first), inputs))
+
+
+def worker(a) -> dict:
+    import torch
+    portable_lib, _, _, _, sample_lora, ChunkProgram = _runtime_imports()
+    torch.set_num_threads(a.threads)
+    portable_lib._unsafe_reset_threadpool(a.threads)
+    out = {"threads_torch": torch.get_num_threads(),
+           "threads_executorch": portable_lib._threadpool_get_thread_count()}
+    gc.collect()
+    out["after_import"] = memory_snapshot()
+    if a.worker == "baseline":
+        return out
+
+    manifest = json.loads((Path(a.dir) / "manifest.json").read_text())
+    entry = next(c for c in manifest["chunks"] if c["index"] == a.chunk)
+    _, batch = _batch(manifest, entry)
+    lora = sample_lora(entry, 0)
+
+    if a.worker == "profile":
+        return out | profile(a, manifest, entry, batch, lora)
+
+    t0 = time.perf_counter()
+    prog = ChunkProgram(Path(a.dir), entry)
+    out["load_s"] = time.perf_counter() - t0
+    out["after_load"] = memory_snapshot()
+    p1, p2, mem_mid = [], [], None
+    for i in range(a.warmup + a.steps):
+        t0 = time.perf_counter()
+        h, saved = prog.phase1(lora, batch)
+        t1 = time.perf_counter()
+        res = prog.phase2(lora, saved, batch)
+        t2 = time.perf_counter()
+        if i == a.warmup + a.steps - 1:
+            mem_mid = memory_snapshot()  # saved activations and gradients still alive
+        if i >= a.warmup:
+            p1.append(t1 - t0)
+            p2.append(t2 - t1)
+        del h, saved
+    out |= {"phase1_s": p1, "phase2_s": p2, "loss": res.loss, "task_loss": res.task_loss,
+            "consis_loss": res.consis_loss, "after_step": mem_mid, "end": memory_snapshot()}
+    return out
+
+
+def profile(a, manifest, entry, batch, lora) -> dict:
+    """One step with ETDump on: time per operator (delegated XNNPACK blocks vs portable kernels)."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+    from zl_mobile.program import ChunkProgram
+
+    prog = ChunkProgram.__new__(ChunkProgram)
+    prog.chunk, prog.index, prog.methods = entry, entry["index"], entry["methods"]
+    prog.lora_names = [t["name"] for t in entry["lora"]]
+    prog.lora_shapes = {t["name"]: tuple(t["shape"]) for t in entry["lora"]}
+    d = Path(a.dir)
+    prog._module = _load_for_executorch(str(d / entry["program"]), data_path=str(d / entry["weights"]),
+                                        enable_etdump=True)
+    for _ in range(2):  # the first step warms up (XNNPACK weight packing etc.); both are recorded
+        h, saved = prog.phase1(lora, batch)
+        prog.phase2(lora, saved, batch)
+    etdump = Path(a.profile_out)
+    prog._module.write_etdump_result_to_file(str(etdump))
+    from executorch.devtools import Inspector
+
+    insp = Inspector(etdump_path=str(etdump))
+    rows, totals = {}, {}
+    execs = [b for b in insp.event_blocks if b.name == "Execute"]  # in first-run order: phase1, phase2
+    for method, block in zip(("phase1", "phase2"), execs):
+        for ev in block.events:
+            if not ev.perf_data or not ev.perf_data.raw:
+                continue
+            ms = ev.perf_data.raw[-1]  # the second (warm) run
+            if ev.name in ("Method::execute", "OPERATOR_CALL", "DELEGATE_CALL"):
+                totals[f"{method}:{ev.name}"] = totals.get(f"{method}:{ev.name}", 0.0) + ms
+                continue
+            key = (method, ev.name)
+            rows.setdefault(key, []).append(ms)
+    per_op = [{"block": b, "op": n, "calls": len(v), "ms": sum(v)} for (b, n), v in rows.items()]
+    per_op.sort(key=lambda r: -r["ms"])
+    return {"profile": per_op, "profile_totals_ms": totals}
+
+
+# --------------------------------------------------------------------------------------------
+# static view of a .pte: which operators run outside the delegate
+# --------------------------------------------------------------------------------------------
+
+def pte_ops(pte: Path) -> dict:
+    from executorch.exir._serialize._program import deserialize_pte_binary
+    from executorch.exir.schema import DelegateCall, KernelCall
+
+    prog = deserialize_pte_binary(pte.read_bytes())
+    prog = getattr(prog, "program", prog)
+    res = {}
+    for plan in prog.execution_plan:
+        kernels, delegates = {}, 0
+        for chain in plan.chains:
+            for ins in chain.instructions:
+                arg = ins.instr_args
+                if isinstance(arg, KernelCall):
+                    op = plan.operators[arg.op_index]
+                    name = op.name + (f".{op.overload}" if op.overload else "")
+                    kernels[name] = kernels.get(name, 0) + 1
+                elif isinstance(arg, DelegateCall):
+                    delegates += 1
+        res[plan.name] = {"delegate_calls": delegates, "kernel_calls": sum(kernels.values()),
+                          "planned_bytes": int(sum(plan.non_const_buffer_sizes)),
+                          "kernels": dict(sorted(kernels.items(), key=lambda kv: -kv[1]))}
+    return res
+
+
+# --------------------------------------------------------------------------------------------
+# export and eager (main process: holds the whole model)
+# --------------------------------------------------------------------------------------------
+
+def build_model(config_name: str):
+    from transformers import LlamaForCausalLM
+
+    from exporter.model_source import llama_config
+
+    import torch
+    torch.manual_seed(MODEL_SEED)
+    return LlamaForCausalLM(llama_config(**CONFIGS[config_name])).eval()
+
+
+def export_chunks(peft_model, hf_cfg, ranges, indices, cfg, out: Path, say) -> dict:
+    """export_model() for a subset of chunks, on an already LoRA-wrapped model (so several
+    readout sizes can share one model). Same per-chunk code path (_export_chunk, a private helper
+    of exporter.export: both its older and newer return types are handled) and manifest."""
+    from exporter.chunk_model import ChunkModel
+    from exporter.export import _export_chunk, commit_out_dir, prepare_out_dir, versions
+    from exporter.manifest import FORMAT, FORMAT_VERSION, file_entry, write_manifest
+
+    tmp = prepare_out_dir(out)
+    chunks, artifacts = [], {}
+    try:
+        for k in indices:
+            first, last = ranges[k]
+            gc.collect()
+            reset_peak_rss()
+            rss0 = proc_status()["VmRSS"]
+            t0 = time.time()
+            say(f"chunk {k}: layers {first}-{last}: tracing + lowering ({cfg.backend})")
+            chunk = ChunkModel(peft_model, first, last, cfg).eval()
+            art = _export_chunk(k, chunk, cfg, hf_cfg, tmp, say)
+            if isinstance(art, dict):  # newer exporter: _export_chunk returns the entry's fields
+                from exporter.export import _write_lora_init
+                entry = {"index": k, "layers": [first, last], **art, **_write_lora_init(k, chunk, tmp)}
+                art = SimpleNamespace(entry=entry, chunk=chunk)
+            art.entry["export_seconds"] = round(time.time() - t0, 2)
+            st = proc_status()
+            art.entry["bench_export_peak_rss"] = st["VmHWM"]
+            art.entry["bench_export_peak_extra"] = st["VmHWM"] - rss0
+            say(f"chunk {k}: exported in {time.time() - t0:.1f} s, peak RSS {mib(st['VmHWM'])} "
+                f"(+{mib(st['VmHWM'] - rss0)} over the loaded model)")
+            chunks.append(art.entry)
+            artifacts[k] = art
+            gc.collect()
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "modes": ["zerolock"],
+            "model": {"source": "in-memory", "path": None, "weights_sha256": None,
+                      "config": {k: getattr(hf_cfg, k) for k in (
+                          "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                          "num_key_value_heads", "vocab_size", "rms_norm_eps")},
+                      "bench_random_init_seed": MODEL_SEED},
+            "export": cfg.to_json(),
+            "lora": {"rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "scale": cfg.lora_scale,
+                     "target_modules": list(cfg.target_modules)},
+            "chunks": chunks, "versions": versions(),
+            "files": [file_entry(tmp, p) for p in sorted(tmp.rglob("*")) if p.is_file()],
+        }
+        write_manifest(tmp, manifest)
+        commit_out_dir(tmp, out)
+    except BaseException:
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return manifest, artifacts
+
+
+def interleaved_times(chunk, manifest, entry, export_dir: Path, steps: int, warmup: int, threads: int) -> dict:
+    """Eager forward+backward and ExecuTorch phase1+phase2 on the same batch and LoRA values,
+    alternating step by step in this process, so that load from other processes on the machine
+    hits both alike."""
+    import torch
+    from executorch.extension.pybindings import portable_lib
+
+    from exporter.chunk_model import peft_name
+    from exporter.verify import sample_lora
+    from zl_mobile.program import ChunkProgram
+
+    torch.set_num_threads(threads)
+    portable_lib._unsafe_reset_threadpool(threads)
+    inputs, batch = _batch(manifest, entry)
+    lora = sample_lora(entry, 0)
+    params = chunk.lora_parameters()
+    to_local = {peft_name(n, chunk.first): n for n in params}
+    with torch.no_grad():
+        for g, v in lora.items():
+            params[to_local[g]].copy_(v)
+    prog = ChunkProgram(export_dir, entry)
+    fw, bw, p1, p2 = [], [], [], []
+    for i in range(warmup + steps):
+        for p in params.values():
+            p.grad = None
+        t0 = time.perf_counter()
+        loss, task, consis, h = chunk(*inputs)
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        del h, task, consis
+        h_et, saved = prog.phase1(lora, batch)
+        t3 = time.perf_counter()
+        res = prog.phase2(lora, saved, batch)
+        t4 = time.perf_counter()
+        del h_et, saved
+        if i >= warmup:
+            fw.append(t1 - t0)
+            bw.append(t2 - t1)
+            p1.append(t3 - t2)
+            p2.append(t4 - t3)
+    grads_e = {g: params[to_local[g]].grad for g in lora}
+    rel = max(((res.grads[g] - grads_e[g]).abs().max() / grads_e[g].abs().max().clamp(min=1e-12)).item()
+              for g in lora)
+    for p in params.values():
+        p.grad = None
+    del prog
+    return {"forward_s": fw, "backward_s": bw, "loss": loss.item(), "et_phase1_s": p1, "et_phase2_s": p2,
+            "et_loss": res.loss, "max_rel_grad_diff": rel}
+
+
+# --------------------------------------------------------------------------------------------
+# driver
+# --------------------------------------------------------------------------------------------
+
+def run_worker(mode: str, a, export_dir: Path, chunk: int) -> dict:
+    res_file = Path(export_dir) / f".bench_{mode}_{chunk}.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--dir", str(export_dir),
+           "--chunk", str(chunk), "--threads", str(a.threads),
+           "--steps", str(a.mem_steps if mode == "run" else a.steps),
+           "--warmup", str(a.warmup), "--result", str(res_file),
+           "--profile-out", str(Path(export_dir) / f"chunk_{chunk}.etdump")]
+    env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONWARNINGS="ignore")
+    p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"worker {mode} for chunk {chunk} failed ({p.returncode}):\n{p.stderr[-4000:]}")
+    res = json.loads(res_file.read_text())
+    res_file.unlink()
+    return res
+
+
+def summarize(manifest, entry, export_dir: Path, eager, et, base, ops, a, lp) -> dict:
+    d = Path(export_dir)
+    mc = manifest["model"]["config"]
+    e = manifest["export"]
+    h_bytes = e["micro_batch"] * e["seq_len"] * mc["hidden_size"] * 4
+    ptd = (d / entry["weights"]).stat().st_size
+    floor = ptd + entry["saved_activation_bytes"] + h_bytes
+    # primary timing: interleaved with eager in the main process; fallback: the memory worker's
+    src = eager if eager else {"et_phase1_s": et["phase1_s"], "et_phase2_s": et["phase2_s"]}
+    p1, p2 = median(src["et_phase1_s"]), median(src["et_phase2_s"])
+    et_step = median([x + y for x, y in zip(src["et_phase1_s"], src["et_phase2_s"])])
+    fw, bw = (median(eager["forward_s"]), median(eager["backward_s"])) if eager else (None, None)
+    eager_step = median([x + y for x, y in zip(eager["forward_s"], eager["backward_s"])]) if eager else None
+    w_step = median([x + y for x, y in zip(et["phase1_s"], et["phase2_s"])])
+    peak = et["end"]["hwm"]
+    base_rss = base["after_import"]["rss"]
+    return {
+        "key": f"{a.config}/{e['backend']}/lp{lp}/chunk{entry['index']}",
+        "config": a.config, "chunk": entry["index"], "layers": entry["layers"], "backend": e["backend"],
+        "micro_batch": e["micro_batch"], "seq_len": e["seq_len"], "loss_positions": lp,
+        "threads": a.threads, "steps": a.steps, "warmup": a.warmup, "mem_steps": a.mem_steps, "export_dir": str(d),
+        "export_s": entry.get("export_seconds"), "export_peak_rss": entry.get("bench_export_peak_rss"),
+        "export_peak_extra": entry.get("bench_export_peak_extra"),
+        "pte_bytes": (d / entry["program"]).stat().st_size, "ptd_bytes": ptd,
+        "lora_init_bytes": (d / entry["lora_init"]).stat().st_size,
+        "saved_activation_bytes": entry["saved_activation_bytes"],
+        "saved_activation_count": entry["saved_activation_count"], "h_bytes": h_bytes,
+        "et_phase1_s": p1, "et_phase2_s": p2, "et_step_s": et_step,
+        "eager_forward_s": fw, "eager_backward_s": bw, "eager_step_s": eager_step,
+        "time_ratio": et_step / eager_step if eager_step else None,
+        "time_ok": (et_step / eager_step <= TIME_TARGET) if eager_step else None,
+        "et_step_s_fresh_process": w_step, "et_phase1_s_fresh_process": median(et["phase1_s"]),
+        "et_phase2_s_fresh_process": median(et["phase2_s"]),
+        "raw_times_s": {"eager_forward": eager and eager["forward_s"], "eager_backward": eager and eager["backward_s"],
+                        "et_phase1": src["et_phase1_s"], "et_phase2": src["et_phase2_s"],
+                        "et_phase1_fresh_process": et["phase1_s"], "et_phase2_fresh_process": et["phase2_s"]},
+        "loss_et": et["loss"], "loss_eager": eager["loss"] if eager else None,
+        "max_rel_grad_diff": eager and eager["max_rel_grad_diff"], "loadavg": eager and eager.get("loadavg"),
+        "load_s": et["load_s"],
+        "floor_bytes": floor, "peak_rss": peak, "peak_ru_maxrss": et["end"]["ru_maxrss"],
+        "rss_after_load": et["after_load"]["rss"], "rss_anon_peak_step": et["after_step"]["rss_anon"],
+        "rss_file_peak_step": et["after_step"]["rss_file"],
+        "pss_after_step": et["after_step"]["pss"], "baseline_rss": base_rss,
+        "baseline_pss": base["after_import"]["pss"],
+        "mem_ratio_raw": peak / floor, "mem_ratio_net": (peak - base_rss) / floor,
+        "mem_ok_raw": peak / floor <= MEM_TARGET, "mem_ok_net": (peak - base_rss) / floor <= MEM_TARGET,
+        "threads_executorch": et["threads_executorch"], "threads_torch": et["threads_torch"],
+        "pte_ops": ops,
+    }
+
+
+def print_tables(rows, console):
+    from rich.table import Table
+
+    t = Table(title="zl-export on TinyLlama-1.1B shapes: export", show_lines=False)
+    for c in ("chunk", "layers", "N", "export", "export peak RSS", ".pte", ".ptd", "saved acts"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(str(r["chunk"]), "-".join(map(str, r["layers"])), str(r["loss_positions"]),
+                  f"{r['export_s']:.0f} s" if r["export_s"] else "-", mib(r["export_peak_rss"]),
+                  mib(r["pte_bytes"]), mib(r["ptd_bytes"]),
+                  f"{mib(r['saved_activation_bytes'])} ({r['saved_activation_count']})")
+    console.print(t)
+    t = Table(title=f"step time (median, {rows[0]['threads']} threads): ExecuTorch vs eager PyTorch "
+                    f"(target <= {TIME_TARGET}x)")
+    for c in ("chunk", "N", "ET phase1", "ET phase2", "ET step", "eager fwd", "eager bwd", "eager step",
+              "ratio", "target"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        ok = r["time_ok"]
+        t.add_row(str(r["chunk"]), str(r["loss_positions"]), f"{r['et_phase1_s'] * 1e3:.0f} ms",
+                  f"{r['et_phase2_s'] * 1e3:.0f} ms", f"{r['et_step_s'] * 1e3:.0f} ms",
+                  f"{r['eager_forward_s'] * 1e3:.0f} ms" if r["eager_forward_s"] else "-",
+                  f"{r['eager_backward_s'] * 1e3:.0f} ms" if r["eager_backward_s"] else "-",
+                  f"{r['eager_step_s'] * 1e3:.0f} ms" if r["eager_step_s"] else "-",
+                  f"{r['time_ratio']:.2f}x" if r["time_ratio"] else "-",
+                  "-" if ok is None else ("[green]met[/]" if ok else "[red]missed[/]"))
+    console.print(t)
+    t = Table(title=f"memory of a process that loads one chunk and runs steps (target <= {MEM_TARGET}x floor)")
+    for c in ("chunk", "N", "floor", "peak RSS", "ratio raw", "baseline RSS", "ratio net", "PSS", "target raw/net"):
+        t.add_column(c, justify="right")
+    for r in rows:
+        t.add_row(str(r["chunk"]), str(r["loss_positions"]), mib(r["floor_bytes"]), mib(r["peak_rss"]),
+                  f"{r['mem_ratio_raw']:.2f}x", mib(r["baseline_rss"]), f"{r['mem_ratio_net']:.2f}x",
+                  mib(r["pss_after_step"]),
+                  ("[green]met[/]" if r["mem_ok_raw"] else "[red]missed[/]") + " / " +
+                  ("[green]met[/]" if r["mem_ok_net"] else "[red]missed[/]"))
+    console.print(t)
+    console.print("floor = .ptd (frozen weights incl. readout) + saved activations + h_k; ratio raw = peak RSS / "
+                  "floor; ratio net = (peak RSS - RSS of a process that only imported torch + the ExecuTorch "
+                  "runtime) / floor.", style="dim")
+    for r in rows:
+        if r.get("profile"):
+            t = Table(title=f"chunk {r['chunk']} N={r['loss_positions']}: ETDump, warm step, top operators")
+            for c in ("method", "operator", "calls", "ms"):
+                t.add_column(c, justify="right" if c in ("calls", "ms") else "left")
+            for p in r["profile"][:14]:
+                t.add_row(p["block"], p["op"], str(p["calls"]), f"{p['ms']:.1f}")
+            console.print(t)
+
+
+def fmt_ms(s):
+    return "-" if s is None else f"{s * 1e3:,.0f} ms"
+
+
+def planned(r, method):
+    b = (r.get("pte_ops") or {}).get(method, {}).get("planned_bytes")
+    return mib(b) if b is not None else "-"
+
+
+def markdown(rows, meta) -> str:
+    m = meta["machine"]
+    out = [
+        "Script: `python bench/export_tinyllama.py` (options: `--only-chunk K`, `--loss-positions 128,16`, "
+        "`--backend`, `--steps`, `--skip-export DIR`, `--profile`); raw figures, per-step times and the "
+        "ETDump operator profile: `bench/results/export_tinyllama.json`.",
+        "",
+        f"- Model: TinyLlama-1.1B shapes, random init (seed {MODEL_SEED}): hidden 2048, intermediate 5632, "
+        "22 layers, 32 heads / 4 KV heads, vocab 32000, fp32; LoRA r=8 on q_proj,v_proj; "
+        "chunks 0-6, 7-13, 14-21; B=1, S=128; N = loss (readout) positions per micro-batch "
+        "(128 = every position; 16 = readout only at answer positions, the realistic AG-News case).",
+        f"- Machine: {m['cpu']} (lscpu model name), {m['cores']} cores, {m['mem_total'] / (1 << 30):.0f} GiB RAM, "
+        f"no GPU; torch {meta['versions'].get('torch')}, executorch {meta['versions'].get('executorch')} "
+        f"(pybindings); {rows[0]['threads']} threads for both torch and the ExecuTorch threadpool "
+        f"(`_unsafe_reset_threadpool`). Last run: {meta['date']}, commit {meta.get('git')}. The machine was shared: other processes "
+        "(phone emulators pinned to each core) ran at the same time, so absolute times are noisy; the "
+        "ratio is robust because eager and ExecuTorch steps alternate in one process.",
+        "- Step time: median over the timed steps (after 1 warm-up); ExecuTorch step = phase1 + phase2 "
+        "(`zl_mobile.program.ChunkProgram`), eager = the same `ChunkModel` forward + `loss.backward()`, "
+        "same batch and LoRA values, alternating step by step. Target: ET <= 1.5x eager.",
+        "- Memory: a fresh process loads one chunk and runs 1 warm-up + 2 to 5 steps (`mem_steps` in the JSON); peak = VmHWM (= ru_maxrss). "
+        "Floor = .ptd (frozen weights incl. readout) + saved activations (manifest) + h_k. "
+        "*Raw* ratio = peak / floor; *net* ratio = (peak - RSS of a process that only imported torch + "
+        "the ExecuTorch runtime) / floor. Target: <= 1.25x. \"planned\" = the method's memory-planned "
+        "arena (`non_const_buffer_sizes`), allocated at load for each method.",
+        "",
+        "| chunk | layers | backend | N | export | export peak RSS* | .pte | .ptd | saved acts | steps | ET phase1 "
+        "| ET phase2 | ET step | eager fwd + bwd | ET / eager | time target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['chunk']} | {r['layers'][0]}-{r['layers'][1]} | {r['backend']} | {r['loss_positions']} "
+            f"| {r['export_s'] or 0:.0f} s | {mib(r['export_peak_rss'])} | {r['pte_bytes'] / 1024:,.0f} KiB "
+            f"| {mib(r['ptd_bytes'])} | {mib(r['saved_activation_bytes'])} | {r['steps']} "
+            f"| {fmt_ms(r['et_phase1_s'])} | {fmt_ms(r['et_phase2_s'])} | {fmt_ms(r['et_step_s'])} "
+            f"| {fmt_ms(r['eager_forward_s'])} + {fmt_ms(r['eager_backward_s'])} = {fmt_ms(r['eager_step_s'])} "
+            f"| {r['time_ratio']:.2f}x | {'met' if r['time_ok'] else '**missed**'} |")
+    out += ["", "\\* of the exporting process, which also holds the whole 22-layer model (4.6 GiB RSS).",
+            "", "| chunk | N | floor | peak RSS | raw ratio | baseline RSS (imports only) | net ratio "
+                "| PSS after a step | planned phase1 / phase2 | memory target (raw / net) |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(
+            f"| {r['chunk']} | {r['loss_positions']} | {mib(r['floor_bytes'])} | {mib(r['peak_rss'])} "
+            f"| {r['mem_ratio_raw']:.2f}x | {mib(r['baseline_rss'])} | {r['mem_ratio_net']:.2f}x "
+            f"| {mib(r['pss_after_step'])} | {planned(r, 'phase1')} / {planned(r, 'phase2')} "
+            f"| {'met' if r['mem_ok_raw'] else '**missed**'} / {'met' if r['mem_ok_net'] else '**missed**'} |")
+    return "\n".join(out) + "\n"
+
+
+def main(argv=None) -> int:
+    from exporter.chunk_spec import DEFAULT_CHUNKS
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--chunks", default=DEFAULT_CHUNKS, help="chunk spec (default %(default)s)")
+    p.add_argument("--only-chunk", type=lambda v: [int(x) for x in v.split(",")], default=None, metavar="K[,K..]",
+                   help="export and measure only chunk K (or a comma list)")
+    p.add_argument("--backend", default="xnnpack", choices=["xnnpack", "portable"])
+    p.add_argument("--steps", type=int, default=5, help="timed steps (median reported)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--mem-steps", type=int, default=2,
+                   help="steps (after the warm-up) run by the fresh process that measures peak memory")
+    p.add_argument("--loss-positions", default="128",
+                   help="readout rows per micro-batch, comma list; one export per value (e.g. 128,16)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--out", type=Path, default=Path("/tmp/zl_bench_tinyllama"),
+                   help="where exports go (one sub-directory per backend and N); kept for --skip-export")
+    p.add_argument("--skip-export", type=Path, default=None, metavar="DIR",
+                   help="reuse the export in DIR (its manifest gives N and backend); still builds the "
+                        "model for the eager comparison unless --no-eager")
+    p.add_argument("--no-eager", action="store_true", help="skip the eager PyTorch comparison")
+    p.add_argument("--profile", action="store_true", help="also run one ETDump-profiled step per chunk")
+    p.add_argument("--config", default="tinyllama", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
+    p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    p.add_argument("--results", type=Path, default=RESULTS)
+    # internal: the measuring subprocess
+    p.add_argument("--worker", choices=["baseline", "run", "profile"], help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    p.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--profile-out", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+
+    if a.worker:
+        Path(a.result).write_text(json.dumps(worker(a)))
+        return 0
+
+    from rich.console import Console
+    console = Console()
+    t_start = time.time()
+
+    def say(msg):
+        console.print(f"[dim]{time.time() - t_start:7.1f}s[/] {msg}")
+
+    import torch
+    torch.set_num_threads(a.threads)
+    from exporter.chunk_spec import parse_chunk_spec
+    from exporter.config import ExportConfig
+    from exporter.export import versions
+
+    jobs = []  # (loss_positions, export_dir, manifest or None)
+    if a.skip_export:
+        m = json.loads((a.skip_export / "manifest.json").read_text())
+        jobs.append((m["export"]["readout_rows"], a.skip_export, m))
+        a.backend = m["export"]["backend"]
+    else:
+        for lp in (int(x) for x in a.loss_positions.split(",")):
+            jobs.append((lp, a.out / f"{a.config}_{a.backend}_lp{lp}", None))
+    hf = CONFIGS[a.config]
+    ranges = parse_chunk_spec(a.chunks, hf["num_hidden_layers"])
+
+    model = peft_model = None
+    if not (a.skip_export and a.no_eager):
+        say(f"building the {a.config} model (random init, seed {MODEL_SEED})")
+        model = build_model(a.config)
+        from exporter.chunk_model import add_lora
+        peft_model = add_lora(model, ExportConfig())
+        say(f"model ready: {sum(p.numel() for p in model.parameters()) / 1e9:.2f} B parameters, "
+            f"RSS {mib(proc_status()['VmRSS'])}")
+
+    say("baseline: a process that only imports torch + the ExecuTorch runtime")
+    base = run_worker("baseline", a, Path("/tmp"), -1)
+    say(f"baseline RSS {mib(base['after_import']['rss'])}, PSS {mib(base['after_import']['pss'])}")
+
+    rows = []
+    for lp, export_dir, manifest in jobs:
+        cfg = ExportConfig(loss_positions=None if lp == 128 else lp, backend=a.backend)
+        if manifest is None:
+            indices = a.only_chunk if a.only_chunk is not None else list(range(len(ranges)))
+            say(f"exporting chunks {indices} with N={lp} into {export_dir}")
+            manifest, _ = export_chunks(peft_model, model.config, ranges, indices, cfg, export_dir, say)
+        entries = [c for c in manifest["chunks"] if a.only_chunk is None or c["index"] in a.only_chunk]
+        for entry in entries:
+            k = entry["index"]
+            eager = None
+            if not a.no_eager:
+                from exporter.chunk_model import ChunkModel
+                first, last = entry["layers"]
+                chunk = ChunkModel(peft_model, first, last, cfg).eval()
+                say(f"chunk {k} N={lp}: eager forward+backward and ExecuTorch phase1+phase2, interleaved, "
+                    f"x{a.warmup + a.steps}")
+                la0 = os.getloadavg()
+                eager = interleaved_times(chunk, manifest, entry, Path(export_dir), a.steps, a.warmup, a.threads)
+                eager["loadavg"] = [la0, os.getloadavg()]
+                del chunk
+                gc.collect()
+            say(f"chunk {k} N={lp}: memory: a fresh process loads the chunk and runs x{a.warmup + a.mem_steps}")
+            et = run_worker("run", a, export_dir, k)
+            ops = pte_ops(Path(export_dir) / entry["program"])
+            row = summarize(manifest, entry, export_dir, eager, et, base, ops, a, lp)
+            if a.profile:
+                say(f"chunk {k} N={lp}: ETDump profile")
+                prof = run_worker("profile", a, export_dir, k)
+                row["profile"], row["profile_totals_ms"] = prof["profile"], prof["profile_totals_ms"]
+            say(f"chunk {k} N={lp}: ET step {fmt_ms(row['et_step_s'])}, eager {fmt_ms(row['eager_step_s'])}, "
+                f"mem {row['mem_ratio_raw']:.2f}x raw / {row['mem_ratio_net']:.2f}x net; "
+                f"loss ET {row['loss_et']:.5f} eager {row['loss_eager']}, max rel grad diff {row['max_rel_grad_diff']}")
+            rows.append(row)
+
+    try:
+        git = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "exporter", "zl_mobile"],
+                               capture_output=True, text=True).stdout.strip()
+        git += " (exporter/ or zl_mobile/ modified)" if dirty else ""
+    except OSError:
+        git = None
+    meta = {"date": now_iso(), "machine": machine(), "versions": versions(), "git": git,
+            "command": " ".join([Path(sys.argv[0]).name] + (argv or sys.argv[1:]))}
+    print_tables(rows, console)
+
+    # merge with earlier runs (keyed by config/backend/N/chunk) so chunks can be run one at a time
+    old = json.loads(a.results.read_text()) if a.results.exists() else {"runs": {}}
+    for r in rows:
+        old["runs"][r["key"]] = r | {"meta": meta}
+    a.results.parent.mkdir(parents=True, exist_ok=True)
+    a.results.write_text(json.dumps(old, indent=1) + "\n")
+    say(f"results: {a.results}")
+    if not a.no_doc:
+        all_rows = [r for r in old["runs"].values() if r["config"] == "tinyllama" and r.get("eager_step_s")]
+        if all_rows:
+            all_rows.sort(key=lambda r: (r["backend"], -r["loss_positions"], r["chunk"]))
+            for r in all_rows:  # rows from runs before the planned-arena column was added
+                pte = Path(r["export_dir"]) / f"chunk_{r['chunk']}.pte"
+                if "planned_bytes" not in r["pte_ops"].get("phase1", {}) and pte.is_file():
+                    r["pte_ops"] = pte_ops(pte)
+            meta_doc = max((r["meta"] for r in all_rows), key=lambda m: m["date"])
+            replace_md_section(DOC, HEADING, markdown(all_rows, meta_doc), "ZeroLock benchmarks",
+                               keep_from=FINDINGS)
+            say(f"updated {DOC}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Graph passes run on each phase program (ATen dialect) before it is lowered.
+
+Tracing turns every `x @ W.T` into `mm(x, permute(W, [1, 0]))`, and the joint backward adds
+`mm(g, permute(permute(W)))` for the input gradient. In ExecuTorch every permute is a
+`permute_copy`: a full copy of the weight at every call, in the single-threaded portable
+kernel, into the method's planned arena (at TinyLlama shape, 90% of the step time and most
+of the arenas). Two rewrites remove them:
+
+  1. cancel_transpose_pairs: permute(permute(x, p), q) -> x when q undoes p (any tensor);
+  2. mm_to_linear: mm(a, permute(W, [1, 0])) -> linear(a, W) and
+     addmm(b, a, permute(W, [1, 0])) -> linear(a, W, b), when W is a frozen weight: a
+     parameter / buffer / constant placeholder of the method (LoRA tensors are user inputs
+     and are left alone). XNNPACK's LinearConfig consumes W in place; with no delegate,
+     to_edge decomposes linear back into permute_copy + mm, which is what it was before.
+
+Both are exact: they only drop data movement, never reorder arithmetic. The transpose forms
+handled are aten.permute / aten.t / aten.transpose (and their *_copy variants); the traced
+phase programs only contain aten.permute.default, with no view/reshape between a weight and
+its transpose, so no view handling is needed."""
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch.export import ExportedProgram
+from torch.export.graph_signature import InputKind, OutputSpec, TensorArgument
+
+aten = torch.ops.aten
+
+_PERMUTES = (aten.permute.default, aten.permute_copy.default)
+_TRANSPOSES = (aten.transpose.int, aten.transpose_copy.int)
+_TS = (aten.t.default, aten.t_copy.default)
+_FROZEN_KINDS = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
+
+
+def permutation(node) -> list[int] | None:
+    """The dims permutation a transpose-like node applies (out dim i = in dim p[i]), or None
+    if `node` is not one."""
+    if node.op != "call_function" or node.target not in _PERMUTES + _TRANSPOSES + _TS:
+        return None
+    ndim = node.args[0].meta["val"].dim()
+    if node.target in _PERMUTES:
+        return [d % ndim for d in node.args[1]] if ndim else []
+    if node.target in _TRANSPOSES:
+        p = list(range(ndim))
+        a, b = node.args[1] % ndim, node.args[2] % ndim
+        p[a], p[b] = p[b], p[a]
+        return p
+    if node.target in _TS:
+        return [1, 0] if ndim == 2 else list(range(ndim))
+    return None
+
+
+def frozen_placeholders(ep: ExportedProgram) -> set:
+    """Placeholders that hold frozen state (weights, buffers, constants), not user inputs."""
+    kinds = {s.arg.name: s.kind for s in ep.graph_signature.input_specs}
+    return {n for n in ep.graph.nodes if n.op == "placeholder" and kinds.get(n.name) in _FROZEN_KINDS}
+
+
+def weight_transposes(ep: ExportedProgram) -> list:
+    """Transpose-like nodes whose input is a frozen weight, or a chain of such transposes
+    starting at one: what the passes are meant to remove (used by tests and reports)."""
+    frozen = frozen_placeholders(ep)
+
+    def from_weight(n):
+        while permutation(n) is not None:
+            n = n.args[0]
+        return n in frozen
+
+    return [n for n in ep.graph.nodes if permutation(n) is not None and from_weight(n)]
+
+
+def cancel_transpose_pairs(ep: ExportedProgram) -> int:
+    """Replace permute(permute(x, p), q) by x when the two compose to the identity. Uses by
+    the graph output are rewired too (and the output signature renamed), unless x is a
+    placeholder or already an output, where a program output would alias an input or another
+    output. Returns the number of pairs removed."""
+    g = ep.graph
+    out_node = g.output_node()
+    removed = 0
+    for n in list(g.nodes):
+        q = permutation(n)
+        if q is None or not n.users:
+            continue
+        inner = n.args[0]
+        p = permutation(inner)
+        if p is None or len(p) != len(q) or any(p[q[j]] != j for j in range(len(q))):
+            continue
+        src = inner.args[0]
+        keep_out = src.op == "placeholder" or src in out_node.all_input_nodes
+        n.replace_all_uses_with(src, delete_user_cb=lambda u: not (keep_out and u is out_node))
+        removed += 1
+    _sync_output_names(ep)
+    _drop_dead_transposes(ep)
+    return removed
+
+
+def mm_to_linear(ep: ExportedProgram) -> int:
+    """mm(a, W^T) -> linear(a, W); addmm(b, a, W^T) -> linear(a, W, b) (beta = alpha = 1, 1-D
+    bias), for a 2-D frozen weight W. Returns the number of matmuls rewritten."""
+    g = ep.graph
+    frozen = frozen_placeholders(ep)
+    rewritten = 0
+    for n in list(g.nodes):
+        if n.op != "call_function" or n.target not in (aten.mm.default, aten.addmm.default):
+            continue
+        if n.target is aten.mm.default:
+            a, wt = n.args
+            bias = None
+        else:
+            if n.kwargs.get("beta", 1) != 1 or n.kwargs.get("alpha", 1) != 1:
+                continue
+            bias, a, wt = n.args
+            if bias.meta["val"].dim() != 1:
+                continue
+        if permutation(wt) != [1, 0] or wt.args[0] not in frozen:
+            continue
+        w = wt.args[0]
+        with g.inserting_before(n):
+            lin = g.call_function(aten.linear.default, (a, w) if bias is None else (a, w, bias))
+        lin.meta = dict(n.meta)  # same value: [M, N] contiguous, same dtype
+        n.replace_all_uses_with(lin)
+        g.erase_node(n)
+        rewritten += 1
+    _sync_output_names(ep)
+    _drop_dead_transposes(ep)
+    return rewritten
+
+
+def fold_weight_transposes(ep: ExportedProgram) -> dict:
+    """Run both rewrites on `ep` in place (cancellation first: it exposes permute(W) nodes
+    whose only other user was the second transpose). Returns counts, for logs and tests."""
+    before = len(weight_transposes(ep))
+    stats = {"cancelled_pairs": cancel_transpose_pairs(ep), "linear": mm_to_linear(ep)}
+    stats["weight_transposes"] = [before, len(weight_transposes(ep))]
+    ep.graph.lint()
+    ep.graph_module.recompile()
+    return stats
+
+
+def op_counts(ep: ExportedProgram) -> Counter:
+    return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
+
+
+def _drop_dead_transposes(ep: ExportedProgram) -> None:
+    """Erase transpose nodes left without users (repeatedly: chains). Nothing else is touched."""
+    changed = True
+    while changed:
+        changed = False
+        for n in reversed(list(ep.graph.nodes)):
+            if not n.users and permutation(n) is not None:
+                ep.graph.erase_node(n)
+                changed = True
+
+
+def _sync_output_names(ep: ExportedProgram) -> None:
+    """Output specs name the node each output is; keep them in step after rewiring outputs."""
+    outs = ep.graph.output_node().args[0]
+    specs = ep.graph_signature.output_specs
+    for i, (spec, o) in enumerate(zip(specs, outs)):
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name != o.name:
+            specs[i] = OutputSpec(spec.kind, TensorArgument(o.name), spec.target)
