@@ -52,6 +52,9 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)  # one error = one line, never wrapped
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch/transformers deprecation chatter
     args = build_parser().parse_args(argv)
     t0 = time.time()
     try:

@@ -139,7 +139,7 @@ class Coordinator:
         for st in reversed(self.stages):  # downstream first: each needs its neighbour's data port
             self._assign(st)
         self.feeder = OutboundLink("host-feed", self.link_tokens[0], window_size=self.settings.window_size,
-                                   replay_horizon=10**9, on_error=self._error)
+                                   replay_horizon=10**9, on_error=self._error, prune_on_commit=False)
         for mb in range(self.settings.micro_batches):
             self.feeder.publish(self._input_frame(mb))
         self.feeder.set_address(f"{self.stages[0].client.address}:{self.stages[0].data_port}")

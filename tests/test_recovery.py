@@ -66,3 +66,15 @@ def test_global_rollback_baseline_also_ends_with_the_uninterrupted_lora(baseline
     g = rec["resumed_after_window"]
     # stages other than the failed one committed windows after g twice: they really rolled back
     assert any(commits.count((k, w)) == 2 for k in (0, 2) for w in range(g + 1, 4))
+
+
+def test_failure_past_the_replay_horizon_is_reported_not_skipped(baseline, tmp_path):
+    """If the upstream already dropped hidden states the restarted stage needs, the run stops
+    with a message naming the lost micro-batches."""
+    from host.coordinator import RunError
+
+    out, mbs, base, base_records = baseline
+    settings = RunSettings(**{**SETTINGS, "inflight_depth": 1}, replay_horizon=1,
+                           inject_failure=[{"stage": 1, "window": 1, "point": "before-commit"}])
+    with pytest.raises(RunError, match=r"replay horizon passed: micro-batches 2-\d+ .* lost"):
+        run_pipeline(out, tmp_path, settings, mbs)

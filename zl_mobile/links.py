@@ -32,7 +32,7 @@ class ReplayHorizonPassed(Exception):
 
 class OutboundLink:
     def __init__(self, name: str, token: str, *, window_size: int, replay_horizon: int,
-                 limiter=None, on_error=None, on_committed=None, on_gradient=None):
+                 limiter=None, on_error=None, on_committed=None, on_gradient=None, prune_on_commit=True):
         self.name = name
         self.token = token
         self.window_size = window_size
@@ -41,6 +41,7 @@ class OutboundLink:
         self.on_error = on_error or (lambda msg: log.error(msg))
         self.on_committed = on_committed or (lambda meta: None)
         self.on_gradient = on_gradient or (lambda msg: None)  # BP baselines: dL/dh_k from downstream
+        self.prune_on_commit = prune_on_commit  # the host's feed keeps its inputs (global rollback replays them)
         self._address: str | None = None
         self._buffer: collections.OrderedDict[int, Message] = collections.OrderedDict()
         self._pruned_below = 0      # every micro-batch < this was dropped from the buffer
@@ -70,8 +71,12 @@ class OutboundLink:
         mb = msg["micro_batch"]
         with self._cond:
             self._buffer[mb] = msg
+            # past the horizon, drop the oldest hidden states already sent (never an unsent one)
             while len(self._buffer) > self.replay_horizon:
-                old, _ = self._buffer.popitem(last=False)
+                old = next(iter(self._buffer))
+                if self._next is None or old >= self._next:
+                    break
+                del self._buffer[old]
                 self._pruned_below = old + 1
             self._cond.notify_all()
 
@@ -179,8 +184,11 @@ class OutboundLink:
                         # the downstream durably used everything up to this window: prune it
                         w = msg["window"]
                         self.downstream_committed = max(self.downstream_committed, w)
-                        for mb in [k for k in self._buffer if k // self.window_size <= w]:
-                            del self._buffer[mb]
+                        if self.prune_on_commit:
+                            for mb in [k for k in self._buffer if k // self.window_size <= w]:
+                                del self._buffer[mb]
+                            # a later request below this is an error, never a silent wait
+                            self._pruned_below = max(self._pruned_below, (w + 1) * self.window_size)
                         self.on_committed(msg.meta)
                     elif msg.type == MsgType.GRADIENT:
                         self.on_gradient(msg)

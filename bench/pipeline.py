@@ -1,0 +1,318 @@
+"""Pipeline benchmark: ZeroLock vs the back-propagation baselines GPipe, 1F1B and PipeDream, on the
+same export, the same stage runtime and links, and the same data (issue 7).
+
+Per stage: peak PSS (max of `pss_peak_bytes` over the stage's telemetry; PSS is sampled after
+every micro-batch step, so a transient peak inside a step is not seen), activation memory
+(peak number of micro-batches whose saved activations are held x the manifest's
+`saved_activation_bytes` of the program the schedule runs), throughput (samples/s, steady state:
+windows after the first) and active fraction (compute time / (compute + wait) over the steady state).
+
+Interpretation of the paper's b and m: b = samples per optimizer step, m = micro-batches per step,
+so b=8, m=4 is micro_batch 2 x window_size 4.
+
+Default: two stages (a 2-chunk export with BP programs: zl-export --mode both), one emulated phone
+per core (--cpus i --threads 1), then a link sweep with `--rate-mbit` on every phone (Local = no
+limit, Wi-Fi 300, Mobile 100, Constrained 50 Mbit/s). All methods run side by side per link
+setting, in one script run, and ratios ZeroLock / baseline are printed.
+
+Usage:
+  python bench/pipeline.py --export DIR --make-export   # export the benchmark model first (~2 min)
+  python bench/pipeline.py --export DIR [--windows 4] [--methods zerolock,gpipe,1f1b,pipedream]
+        [--sweep-methods zerolock,1f1b,pipedream] [--rates none,300,100,50]
+Results: bench/results/pipeline.json; plots bench/results/pipeline_pss.png, pipeline_link.png.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MiB, REPO, machine, now_iso  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+LINKS = {None: "Local", 300.0: "Wi-Fi", 100.0: "Mobile", 50.0: "Constrained"}
+
+
+def micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int):
+    from transformers import AutoTokenizer
+
+    from host.data import encode_examples, load_examples, make_microbatches
+
+    tok = AutoTokenizer.from_pretrained(export_dir / "tokenizer")
+    examples = load_examples(None)[: n * micro_batch]
+    return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
+
+
+def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, watchdog_s: float = 180.0):
+    """One run. PipeDream's schedule (no flush) runs the next window's warm-up forwards before the
+    last backwards of a window, so on the run's last window stage k waits for num_stages-1-k
+    inputs that the coordinator never feeds (it feeds windows x window_size) and the run hangs.
+    For pipedream the host therefore feeds num_stages-1 extra micro-batches past the end; they are
+    forwarded but never stepped, and are left out of every figure (window >= windows)."""
+    from host.coordinator import Coordinator
+    from host.emulate import start_phones
+    from zl_mobile.protocol import Message, MsgType
+
+    class BenchCoordinator(Coordinator):
+        def setup(self):
+            super().setup()
+            if self.settings.schedule == "pipedream":
+                n = self.settings.micro_batches
+                for mb in range(n, n + len(self.stages) - 1):
+                    self.feeder.publish(self._input_frame(mb))
+
+    cores = sorted(os.sched_getaffinity(0))
+
+    def args(i):
+        a = ["--cpus", str(cores[i % len(cores)]), "--threads", "1"]
+        return a + (["--rate-mbit", str(rate)] if rate else [])
+
+    phones = start_phones(n_phones, root / "phones", prefix=f"pb{os.getpid()}-", per_phone_args=args)
+    try:
+        co = BenchCoordinator(export_dir, [p.handle() for p in phones], mbs, settings, root / "run", run_id="bench")
+        # the run loop stops on an error containing this phrase; reuse it to end a hung run
+        timer = threading.Timer(watchdog_s, lambda: co.errors.append(
+            f"bench watchdog: no end after {watchdog_s:.0f} s (stopped as if the replay horizon passed)"))
+        timer.daemon = True
+        timer.start()
+        try:
+            result = co.run()
+        finally:
+            timer.cancel()
+    finally:
+        for p in phones:
+            p.stop()
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    return result, records
+
+
+def analyse(result, records, chunks, schedule, window_size, micro_batch, windows) -> dict:
+    tel = [r for r in records if r["type"] == "TELEMETRY" and r["window"] < windows]
+    stages = sorted({r["stage"] for r in tel})
+    per = []
+    for k in stages:
+        rs = sorted((r for r in tel if r["stage"] == k), key=lambda r: r["phase2_end"])
+        chunk = chunks[k]
+        saved = chunk["bp"]["saved_activation_bytes"] if schedule != "zerolock" else chunk["saved_activation_bytes"]
+        held = max(r.get("in_flight", 0) for r in rs) + 1  # telemetry is sent after the step popped its own
+        steady = [r for r in rs if r["window"] >= 1]
+        a0 = next((r for r in rs if r["window"] == 0 and r["micro_batch"] == window_size - 1), rs[0])
+        a1 = rs[-1]
+        act = a1["active_s"] - a0["active_s"]
+        wait = a1["wait_s"] - a0["wait_s"]
+        per.append({"stage": k, "pss_peak_bytes": max(r.get("pss_peak_bytes") or 0 for r in rs),
+                    "pss_median_bytes": sorted(r.get("pss_bytes") or 0 for r in rs)[len(rs) // 2],
+                    "held_micro_batches": held, "saved_activation_bytes_per_mb": saved,
+                    "activation_bytes": held * saved, "active_fraction": act / (act + wait) if act + wait else None,
+                    "active_fraction_whole_run": a1["active_s"] / (a1["active_s"] + a1["wait_s"]),
+                    "steady_micro_batches": len(steady)})
+    # steady-state throughput: samples of windows >= 1 over the time between the end of window 0
+    # and the end of the last window (last micro-batch's phase-2 end, over all stages)
+    ends = {}
+    for r in tel:
+        ends[r["window"]] = max(ends.get(r["window"], 0), r["phase2_end"])
+    last = max(ends)
+    n_samples = (last) * window_size * micro_batch
+    steady_s = ends[last] - ends[0]
+    losses = [r["loss"] for r in tel if r["stage"] == stages[-1] and r.get("loss") is not None]
+    pss = [p["pss_peak_bytes"] for p in per]
+    acts = [p["activation_bytes"] for p in per]
+    fr = [p["active_fraction"] for p in per if p["active_fraction"] is not None]
+    return {"per_stage": per, "throughput_sps": n_samples / steady_s if steady_s > 0 else None, "steady_s": steady_s,
+            "run_seconds": result["seconds"], "link_bytes": result["link_bytes"],
+            "pss_peak_mean": sum(pss) / len(pss), "pss_peak_max": max(pss),
+            "act_mean": sum(acts) / len(acts), "act_max": max(acts),
+            "active_fraction_mean": sum(fr) / len(fr) if fr else None,
+            "last_loss": losses[-1] if losses else None, "errors": result["errors"]}
+
+
+def merge(reps: list) -> dict:
+    """Medians over repeats (peak PSS: the max); per-stage rows from the repeats merged the same way."""
+    import statistics
+
+    if len(reps) == 1:
+        return {**reps[0], "reps": 1}
+    out = dict(reps[0])
+    for key in ("throughput_sps", "active_fraction_mean", "steady_s", "run_seconds", "link_bytes"):
+        out[key] = statistics.median(r[key] for r in reps)
+    out["throughput_sps_all"] = [r["throughput_sps"] for r in reps]
+    out["pss_peak_mean"] = statistics.median(r["pss_peak_mean"] for r in reps)
+    out["pss_peak_max"] = max(r["pss_peak_max"] for r in reps)
+    per = []
+    for j, p in enumerate(reps[0]["per_stage"]):
+        q = dict(p)
+        q["pss_peak_bytes"] = max(r["per_stage"][j]["pss_peak_bytes"] for r in reps)
+        q["held_micro_batches"] = max(r["per_stage"][j]["held_micro_batches"] for r in reps)
+        q["activation_bytes"] = q["held_micro_batches"] * q["saved_activation_bytes_per_mb"]
+        q["active_fraction"] = statistics.median(r["per_stage"][j]["active_fraction"] for r in reps)
+        per.append(q)
+    out["per_stage"] = per
+    out["act_mean"] = sum(p["activation_bytes"] for p in per) / len(per)
+    out["act_max"] = max(p["activation_bytes"] for p in per)
+    out["reps"] = len(reps)
+    return out
+
+
+def plots(out_dir: Path, runs: list, methods, sweep_methods, rates) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    base = [r for r in runs if r["rate_mbit"] is None]
+    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
+    n_st = len(base[0]["per_stage"])
+    width = 0.8 / n_st
+    for j in range(n_st):
+        xs = [i + j * width for i in range(len(base))]
+        ax[0].bar(xs, [r["per_stage"][j]["pss_peak_bytes"] / MiB for r in base], width, label=f"stage {j}")
+        ax[1].bar(xs, [r["per_stage"][j]["activation_bytes"] / MiB for r in base], width, label=f"stage {j}")
+    for a, title in ((ax[0], "peak PSS per stage (MiB)"), (ax[1], "held activations per stage (MiB)")):
+        a.set_xticks([i + width * (n_st - 1) / 2 for i in range(len(base))])
+        a.set_xticklabels([r["method"] for r in base])
+        a.set_title(title)
+        a.legend()
+    fig.tight_layout()
+    p = out_dir / "pipeline_pss.png"
+    fig.savefig(p, dpi=110)
+    paths.append(str(p))
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    labels = [LINKS.get(r) or f"{r:g}" for r in rates]
+    for m in sweep_methods:
+        ys = [next((x["throughput_sps"] for x in runs if x["method"] == m and x["rate_mbit"] == r), None) for r in rates]
+        ax.plot(labels, ys, marker="o", label=m)
+    ax.set_ylabel("samples/s (steady state)")
+    ax.set_xlabel("link (Local / 300 / 100 / 50 Mbit/s)")
+    ax.set_title("throughput vs link")
+    ax.legend()
+    fig.tight_layout()
+    p = out_dir / "pipeline_link.png"
+    fig.savefig(p, dpi=110)
+    paths.append(str(p))
+    plt.close(fig)
+    return paths
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--export", type=Path, required=True, help="export dir with BP programs (--mode both)")
+    ap.add_argument("--make-export", action="store_true", help="first export the benchmark model into --export (~2 min)")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/zl-bench-pipeline"))
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--window-size", type=int, default=4, help="m: micro-batches per optimizer step")
+    ap.add_argument("--inflight-depth", type=int, default=4)
+    ap.add_argument("--methods", default="zerolock,gpipe,1f1b,pipedream")
+    ap.add_argument("--sweep-methods", default="zerolock,1f1b,pipedream")
+    ap.add_argument("--rates", default="none,300,100,50", help="Mbit/s per phone; 'none' = no limit")
+    ap.add_argument("--reps", type=int, default=1, help="repeat everything (interleaved); medians are reported")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/pipeline.json")
+    a = ap.parse_args(argv)
+
+    from exporter.manifest import load_manifest
+    from host.plan import RunSettings
+
+    if a.make_export:
+        from recovery import make_export
+        make_export(a.export, "0-2,3-5", micro_batch=2, modes=("zerolock", "bp"))
+    man = load_manifest(a.export)
+    ecfg = man["export"]
+    mb_size, seq = ecfg["micro_batch"], ecfg["seq_len"]
+    chunks = man["chunks"]
+    methods = a.methods.split(",")
+    sweep = a.sweep_methods.split(",")
+    rates = [None if r == "none" else float(r) for r in a.rates.split(",")]
+    mbs = micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
+    stamp = time.strftime("%H%M%S")
+    runs = []
+    for rate, m in [(r, m) for _ in range(a.reps) for r in rates
+                    for m in (methods if r is None else [x for x in methods if x in sweep])]:
+        if True:
+            settings = RunSettings(windows=a.windows, window_size=a.window_size, inflight_depth=a.inflight_depth,
+                                   lr=2e-3, schedule=m)
+            t = time.time()
+            try:
+                res, recs = run_once(a.export, a.work / f"{stamp}-{time.time_ns()}-{m}-{rate}", settings, mbs, len(chunks), rate)
+            except Exception as e:
+                print(f"[{m} @ {rate}] FAILED: {e}", flush=True)
+                continue
+            s = analyse(res, recs, chunks, m, a.window_size, mb_size, a.windows)
+            s.update(method=m, rate_mbit=rate, link=LINKS.get(rate, f"{rate} Mbit/s"))
+            runs.append(s)
+            print(f"[{m} @ {s['link']}] {time.time() - t:.1f} s: {s['throughput_sps']:.2f} samples/s, "
+                  f"PSS peak mean/max {s['pss_peak_mean'] / MiB:.0f}/{s['pss_peak_max'] / MiB:.0f} MiB, "
+                  f"acts mean/max {s['act_mean'] / MiB:.1f}/{s['act_max'] / MiB:.1f} MiB, "
+                  f"active {s['active_fraction_mean']:.2f}, held {[p['held_micro_batches'] for p in s['per_stage']]}",
+                  flush=True)
+
+    raw_runs = runs
+    runs = [merge([r for r in raw_runs if r["method"] == m and r["rate_mbit"] == rate])
+            for rate in rates for m in methods if any(r["method"] == m and r["rate_mbit"] == rate for r in raw_runs)]
+
+    def get(m, rate):
+        return next((r for r in runs if r["method"] == m and r["rate_mbit"] == rate), None)
+
+    print("\n| method | peak PSS mean / max over stages | activation memory mean / max | throughput | active fraction | "
+          "per stage: peak PSS, held mbs x saved |")
+    print("|---|---|---|---|---|---|")
+    for m in methods:
+        r = get(m, None)
+        st = "; ".join(f"s{p['stage']}: {p['pss_peak_bytes'] / MiB:.0f} MiB, {p['held_micro_batches']} x "
+                       f"{p['saved_activation_bytes_per_mb'] / MiB:.1f} MiB" for p in r["per_stage"])
+        print(f"| {m} | {r['pss_peak_mean'] / MiB:,.0f} / {r['pss_peak_max'] / MiB:,.0f} MiB | "
+              f"{r['act_mean'] / MiB:,.1f} / {r['act_max'] / MiB:,.1f} MiB | {r['throughput_sps']:.2f} samples/s | "
+              f"{r['active_fraction_mean']:.2f} | {st} |")
+    z = get("zerolock", None)
+    ratios = {}
+    print("\nratios ZeroLock / baseline (Local link): ")
+    for m in methods:
+        if m == "zerolock":
+            continue
+        r = get(m, None)
+        ratios[m] = {"pss_peak_mean": z["pss_peak_mean"] / r["pss_peak_mean"], "pss_peak_max": z["pss_peak_max"] / r["pss_peak_max"],
+                     "act_max": z["act_max"] / r["act_max"], "throughput": z["throughput_sps"] / r["throughput_sps"],
+                     "active_fraction": z["active_fraction_mean"] / r["active_fraction_mean"]}
+        print(f"  vs {m}: PSS mean {ratios[m]['pss_peak_mean']:.3f}, PSS max {ratios[m]['pss_peak_max']:.3f}, "
+              f"activations max {ratios[m]['act_max']:.3f}, throughput {ratios[m]['throughput']:.3f}, "
+              f"active fraction {ratios[m]['active_fraction']:.3f}")
+    print("\nthroughput (samples/s) vs link:")
+    print("| method | " + " | ".join(LINKS.get(r, str(r)) + (f" ({r:g} Mbit/s)" if r else "") for r in rates) + " |")
+    print("|---|" + "---|" * len(rates))
+    sweep_tab = {}
+    for m in sweep:
+        row = [get(m, r) for r in rates]
+        sweep_tab[m] = [x["throughput_sps"] if x else None for x in row]
+        print(f"| {m} | " + " | ".join(f"{x['throughput_sps']:.2f}" if x else "-" for x in row) + " |")
+    for m in sweep:
+        if m != "zerolock":
+            print(f"| ZeroLock / {m} | " + " | ".join(
+                f"{get('zerolock', r)['throughput_sps'] / get(m, r)['throughput_sps']:.2f}x"
+                if get("zerolock", r) and get(m, r) else "-" for r in rates) + " |")
+
+    pics = plots(a.out.parent, runs, methods, sweep, rates)
+    out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
+           "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in chunks],
+           "saved_activation_bytes": {"zerolock": [c["saved_activation_bytes"] for c in chunks],
+                                      "bp": [c["bp"]["saved_activation_bytes"] for c in chunks if "bp" in c]},
+           "settings": {"windows": a.windows, "window_size": a.window_size, "micro_batch": mb_size, "seq_len": seq,
+                        "b_samples_per_step": a.window_size * mb_size, "m_micro_batches_per_step": a.window_size,
+                        "inflight_depth": a.inflight_depth, "phones": "one per core, --threads 1"},
+           "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios, "throughput_vs_link": sweep_tab,
+           "rates_mbit": rates, "plots": pics}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {a.out} and {', '.join(pics)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

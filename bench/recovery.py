@@ -1,0 +1,308 @@
+"""Recovery benchmark: local replay (ZeroLock) vs global rollback (the BP-pipeline baseline).
+
+Three stages, b=1 (micro-batch of one sample), m=8 (window_size 8 micro-batches per optimizer
+step), 8 windows; a failure is injected at stage 1 in window 4, after phase 1. In ONE script run
+it executes three configurations on the same export and data:
+
+  none      uninterrupted run (the reference for LoRA and for link bytes)
+  local     only the failed stage restarts, reloads its own checkpoint and replays the hidden
+            states its upstream neighbour still buffers
+  global    every stage goes back to the last globally consistent checkpoint and the whole
+            pipeline replays from there
+
+Reported per recovery: latency = caught_up - detected (split into detected -> rejoined, which is
+the process restart + connect + re-push, and rejoined -> caught up, which is the replay), extra
+link bytes = link_bytes(run) - link_bytes(uninterrupted run), file bytes re-pushed after the
+failure, and the largest LoRA difference to the uninterrupted run. Ratios are local / global.
+
+Usage:
+  python bench/recovery.py --export DIR --make-export  # export the benchmark model first (~1 min)
+  python bench/recovery.py --export DIR            # an export with 3 chunks, micro_batch 1
+  python bench/recovery.py --export DIR --reps 2   # repeat the failure configs, report medians
+Results: bench/results/recovery.json (raw), printed table.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import MiB, REPO, machine, median, now_iso  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+PAPER = {"latency_ms": (2013, 2381), "bytes_mib": (96, 192)}
+
+
+BENCH_MODEL = dict(num_hidden_layers=6, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
+                   num_key_value_heads=4)
+
+
+def make_export(out: Path, chunks: str, micro_batch: int, modes=("zerolock",), seq_len: int = 128) -> Path:
+    """The benchmarks' model: a random-init 6-layer Llama (BENCH_MODEL, torch seed 7) with the
+    repo's tiny tokenizer, exported with XNNPACK. Recovery: chunks "0-1,2-3,4-5", micro_batch 1;
+    pipeline: chunks "0-2,3-5", micro_batch 2, modes ("zerolock", "bp")."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from exporter.config import ExportConfig
+    from exporter.export import export_model
+    from exporter.model_source import llama_config
+    from exporter.tiny_tokenizer import build_tiny_tokenizer
+
+    out = Path(out)
+    model_dir = out.parent / (out.name + "-model")
+    if not (model_dir / "config.json").exists():
+        torch.manual_seed(7)
+        LlamaForCausalLM(llama_config(**BENCH_MODEL)).save_pretrained(model_dir)
+        build_tiny_tokenizer().save_pretrained(model_dir)
+    cfg = ExportConfig(lora_rank=8, lora_alpha=16.0, seq_len=seq_len, micro_batch=micro_batch, backend="xnnpack")
+    t = time.time()
+    export_model(str(model_dir), chunks, out, cfg, progress=print, modes=tuple(modes))
+    print(f"export: {time.time() - t:.0f} s -> {out}", flush=True)
+    return out
+
+
+def micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int):
+    from transformers import AutoTokenizer
+
+    from host.data import encode_examples, load_examples, make_microbatches
+
+    tok = AutoTokenizer.from_pretrained(export_dir / "tokenizer")
+    examples = load_examples(None)[: n * micro_batch]
+    return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
+
+
+class _KeepAll(collections.OrderedDict):
+    """A feeder buffer that ignores pruning on downstream commits (see KEEP_FEEDER below)."""
+
+    def __delitem__(self, key):
+        pass
+
+
+def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, phone_args=None,
+             keep_feeder: bool = False, watchdog_s: float = 240.0) -> dict:
+    """One coordinator run over emulated phones. keep_feeder: the host keeps every input
+    micro-batch (it owns the data set, it can always re-read it) instead of pruning the ones
+    stage 0 has committed; the global-rollback baseline needs this because stage 0 may have
+    committed windows past the rollback point (a bug in the current coordinator: it prunes the
+    feed and the rollback then waits forever). watchdog_s: give up on a hung run."""
+    from host.coordinator import Coordinator
+    from host.emulate import start_phones
+
+    class BenchCoordinator(Coordinator):
+        def setup(self):
+            super().setup()
+            if keep_feeder:
+                with self.feeder._cond:
+                    self.feeder._buffer = _KeepAll(self.feeder._buffer)
+
+    events = []
+    phones = start_phones(n_phones, root / "phones", prefix=f"rb{os.getpid()}-", extra_args=phone_args)
+    t0 = time.time()
+    timer = None
+    try:
+        devices = [p.handle() for p in phones]
+        co = BenchCoordinator(export_dir, devices, mbs, settings, root / "run", run_id="bench",
+                              on_event=lambda k, d: events.append((time.time(), k, d)))
+        # the run loop stops on an error containing this phrase; reuse it to end a hung run
+        timer = threading.Timer(watchdog_s, lambda: co.errors.append(
+            f"bench watchdog: no end after {watchdog_s:.0f} s (stopped as if the replay horizon passed)"))
+        timer.daemon = True
+        timer.start()
+        result = co.run()
+    finally:
+        if timer is not None:
+            timer.cancel()
+        for p in phones:
+            p.stop()
+    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    result["wall_s"] = time.time() - t0
+    result["events"] = events
+    result["records"] = records
+    return result
+
+
+def received_bytes(records) -> int:
+    """Link bytes as the receivers count them: per stage, the sum over its incarnations of the
+    last bytes_in it reported (a restart starts its counter from zero). Unlike the coordinator's
+    link_bytes (sender side, from telemetry), this sees replays that a finished upstream sends
+    after its last telemetry."""
+    total = 0
+    for k in sorted({r["stage"] for r in records if r["type"] == "TELEMETRY"}):
+        seq = [r.get("bytes_in", 0) for r in records if r["type"] == "TELEMETRY" and r["stage"] == k]
+        last = 0
+        for b in seq:
+            if b < last:
+                total += last
+            last = b
+        total += last
+    return total
+
+
+def caught_up_from_records(records, rec) -> float | None:
+    """First time (host clock) after the rejoin at which every recovered stage reported a
+    micro-batch >= the frontier (the furthest micro-batch any stage had done at detection)."""
+    need = set(rec["stages"])
+    seen = set()
+    for r in records:
+        if r["type"] == "TELEMETRY" and r["t"] >= rec["rejoined"] and r["stage"] in need and r["micro_batch"] >= rec["frontier"]:
+            seen.add(r["stage"])
+            if seen == need:
+                return r["t"]
+    return None
+
+
+def summarize(result: dict, base: dict | None) -> dict:
+    import numpy as np
+
+    rb = received_bytes(result["records"])
+    out = {"seconds": result["seconds"], "link_bytes_sender": result["link_bytes"], "link_bytes": rb,
+           "errors": result["errors"]}
+    if base is not None:
+        out["extra_link_bytes"] = rb - received_bytes(base["records"])
+        out["extra_link_bytes_sender"] = result["link_bytes"] - base["link_bytes"]
+        out["lora_max_abs_diff"] = max(float(np.abs(result["lora"][n] - base["lora"][n]).max()) for n in base["lora"])
+        out["extra_seconds"] = result["seconds"] - base["seconds"]
+    recs = []
+    for r in result["recoveries"]:
+        det, rej = r["detected"], r["rejoined"]
+        cu = caught_up_from_records(result["records"], r) or r["caught_up"]
+        # files (program, weights, LoRA init, manifest) pushed again after the failure
+        pushed = sum(d.get("sent", 0) or 0 for t, k, d in result["events"] if k == "push" and t >= det)
+        recs.append({"kind": r["kind"], "stages": r["stages"], "why": r["why"], "frontier": r["frontier"],
+                     "resumed_after_window": r["resumed_after_window"],
+                     "latency_s": (cu - det) if cu else None, "coordinator_caught_up_s":
+                     (r["caught_up"] - det) if r["caught_up"] else None, "restart_s": rej - det,
+                     "replay_s": (cu - rej) if cu else None, "file_bytes_repushed": pushed,
+                     "bytes_at_detection": r["bytes_at_detection"]})
+    out["recoveries"] = recs
+    commits = [(r["stage"], r["window"]) for r in result["records"] if r["type"] == "CHECKPOINT_COMMITTED"]
+    out["commits"] = len(commits)
+    out["recommitted_windows"] = len(commits) - len(set(commits))
+    mbs_done = [(r["stage"], r["micro_batch"]) for r in result["records"] if r["type"] == "TELEMETRY"]
+    out["micro_batch_steps"] = len(mbs_done)
+    out["recomputed_micro_batch_steps"] = len(mbs_done) - len(set(mbs_done))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--export", type=Path, required=True, help="export dir: 3 chunks, micro_batch 1")
+    ap.add_argument("--make-export", action="store_true", help="first export the benchmark model into --export")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/zl-bench-recovery"))
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--window-size", type=int, default=8)
+    ap.add_argument("--inflight-depth", type=int, default=2)
+    ap.add_argument("--replay-horizon", type=int, default=None,
+                    help="hidden states an upstream keeps for replay (default 4 windows)")
+    ap.add_argument("--fail-stage", type=int, default=1)
+    ap.add_argument("--fail-window", type=int, default=4)
+    ap.add_argument("--point", default="after-phase1")
+    ap.add_argument("--reps", type=int, default=1, help="repeats of each failure config (medians reported)")
+    ap.add_argument("--rate-mbit", type=float, default=None, help="shape every phone's outgoing links")
+    ap.add_argument("--out", type=Path, default=REPO / "bench/results/recovery.json")
+    a = ap.parse_args(argv)
+
+    from exporter.manifest import load_manifest
+    from host.plan import RunSettings
+
+    if a.make_export:
+        make_export(a.export, "0-1,2-3,4-5", micro_batch=1)
+    man = load_manifest(a.export)
+    ecfg = man.get("export", {})
+    mb_size, seq = ecfg.get("micro_batch", 1), ecfg.get("seq_len", 128)
+    n_stages = len(man["chunks"])
+    mbs = micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
+    phone_args = ["--rate-mbit", str(a.rate_mbit)] if a.rate_mbit else None
+    base_kw = dict(windows=a.windows, window_size=a.window_size, inflight_depth=a.inflight_depth, lr=2e-3,
+                   replay_horizon=a.replay_horizon or 4 * a.window_size)
+    failure = [{"stage": a.fail_stage, "window": a.fail_window, "point": a.point}]
+    configs = [("none", RunSettings(**base_kw))]
+    for rep in range(a.reps):
+        configs += [("local", RunSettings(**base_kw, inject_failure=failure, recovery="local")),
+                    ("global-rollback", RunSettings(**base_kw, inject_failure=failure, recovery="global-rollback"))]
+
+    stamp = time.strftime("%H%M%S")
+    runs, base = [], None
+    for i, (name, settings) in enumerate(configs):
+        root = a.work / f"{stamp}-{i}-{name}"
+        t = time.time()
+        try:
+            res = run_once(a.export, root, settings, mbs, n_stages, phone_args,
+                           keep_feeder=settings.recovery == "global-rollback")
+        except Exception as e:  # keep going: report what failed
+            print(f"[{name}] FAILED: {e}", flush=True)
+            runs.append({"config": name, "failed": str(e), "recoveries": []})
+            continue
+        s = summarize(res, base)
+        if name == "none":
+            base = res
+        s["config"] = name
+        runs.append(s)
+        rec = s["recoveries"][0] if s["recoveries"] else {}
+        print(f"[{name}] {time.time() - t:.1f} s wall, run {s['seconds']:.1f} s, link {s['link_bytes'] / MiB:.1f} MiB"
+              + (f", latency {rec['latency_s'] * 1e3:.0f} ms (restart {rec['restart_s'] * 1e3:.0f} + replay "
+                 f"{rec['replay_s'] * 1e3:.0f}), extra {s['extra_link_bytes'] / MiB:.2f} MiB, "
+                 f"lora diff {s['lora_max_abs_diff']:.2g}" if rec and rec.get("latency_s") else ""), flush=True)
+
+    def agg(kind, key):
+        vals = [r["recoveries"][0][key] for r in runs if r["config"] == kind and r["recoveries"]
+                and r["recoveries"][0].get(key) is not None]
+        return median(vals)
+
+    def agg_run(kind, key):
+        return median([r[key] for r in runs if r["config"] == kind and r.get(key) is not None])
+
+    table = {}
+    for kind in ("local", "global-rollback"):
+        table[kind] = {"latency_s": agg(kind, "latency_s"), "restart_s": agg(kind, "restart_s"),
+                       "replay_s": agg(kind, "replay_s"), "extra_link_bytes": agg_run(kind, "extra_link_bytes"),
+                       "file_bytes_repushed": agg(kind, "file_bytes_repushed"),
+                       "extra_seconds": agg_run(kind, "extra_seconds"),
+                       "recomputed_micro_batch_steps": agg_run(kind, "recomputed_micro_batch_steps"),
+                       "recommitted_windows": agg_run(kind, "recommitted_windows"),
+                       "extra_link_bytes_sender": agg_run(kind, "extra_link_bytes_sender"),
+                       "coordinator_caught_up_s": agg(kind, "coordinator_caught_up_s"),
+                       "lora_max_abs_diff": max([r["lora_max_abs_diff"] for r in runs if r["config"] == kind
+                                                 and "lora_max_abs_diff" in r] or [float("nan")])}
+    L, G = table["local"], table["global-rollback"]
+    ratios = {"latency": L["latency_s"] / G["latency_s"], "replay": L["replay_s"] / G["replay_s"],
+              "extra_link_bytes": (L["extra_link_bytes"] / G["extra_link_bytes"]) if G["extra_link_bytes"] else None,
+              "extra_link_plus_file_bytes": (L["extra_link_bytes"] + L["file_bytes_repushed"])
+              / (G["extra_link_bytes"] + G["file_bytes_repushed"])}
+    paper = {"latency": PAPER["latency_ms"][0] / PAPER["latency_ms"][1], "bytes": PAPER["bytes_mib"][0] / PAPER["bytes_mib"][1]}
+
+    print()
+    print("| recovery | latency (detected -> caught up) | restart | replay | extra link bytes | files re-pushed | "
+          "recomputed mb-steps | re-committed windows | LoRA max |diff| vs uninterrupted |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for kind, r in table.items():
+        print(f"| {kind} | {r['latency_s'] * 1e3:,.0f} ms | {r['restart_s'] * 1e3:,.0f} ms | {r['replay_s'] * 1e3:,.0f} ms | "
+              f"{r['extra_link_bytes'] / MiB:,.2f} MiB | {r['file_bytes_repushed'] / MiB:,.1f} MiB | "
+              f"{r['recomputed_micro_batch_steps']:.0f} | {r['recommitted_windows']:.0f} | {r['lora_max_abs_diff']:.2g} |")
+    print(f"\nratios local/global: latency {ratios['latency']:.3f} (paper {paper['latency']:.3f}), "
+          f"replay part {ratios['replay']:.3f}, extra link bytes "
+          f"{ratios['extra_link_bytes'] if ratios['extra_link_bytes'] is None else round(ratios['extra_link_bytes'], 3)} "
+          f"(paper {paper['bytes']:.3f}), link + re-pushed file bytes {ratios['extra_link_plus_file_bytes']:.3f}")
+
+    out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
+           "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in man["chunks"]],
+           "settings": {**base_kw, "micro_batch": mb_size, "seq_len": seq, "stages": n_stages, "failure": failure,
+                        "reps": a.reps, "rate_mbit": a.rate_mbit},
+           "runs": runs, "table": table, "ratios_local_over_global": ratios, "paper_ratios": paper}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1, default=str))
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
