@@ -166,6 +166,10 @@ class Coordinator:
             if ev is not None:
                 self._handle(ev)
             self._check_heartbeats()
+            if self.settings.max_seconds and time.time() - self.started > self.settings.max_seconds:
+                raise RunError(f"the run did not finish within {self.settings.max_seconds:.0f} s "
+                               f"(committed windows per stage: {[s.committed for s in self.stages]}); "
+                               f"see the phone logs, then zl-host run --resume {self.run_dir}")
             if self.errors and any("replay horizon passed" in e for e in self.errors):
                 raise RunError(self.errors[-1])
         return self.finish()

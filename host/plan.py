@@ -22,6 +22,7 @@ class RunSettings:
     inject_failure: list | None = None  # [{"stage": K, "window": W, "point": ...}, ...]
     recovery: str = "local"       # or "global-rollback"
     schedule: str = "zerolock"    # or a BP baseline: gpipe, 1f1b, pipedream
+    max_seconds: float | None = None  # give up (with a clear error) if the run takes longer
 
     @property
     def horizon(self) -> int:

@@ -75,6 +75,8 @@ def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones
     phones = start_phones(n_phones, root / "phones", prefix=f"t{os.getpid()}-", extra_args=phone_args)
     try:
         devices = [p.handle() for p in phones]
+        if settings.max_seconds is None:  # a hang fails the test instead of stalling CI
+            settings.max_seconds = 300
         co = Coordinator(export_dir, devices, micro_batches, settings, root / "run", run_id="test", on_event=on_event)
         result = co.run()
     finally:
