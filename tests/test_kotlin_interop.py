@@ -1,5 +1,7 @@
 """Interop: the Kotlin core (kotlin_app/core), acting as a DEVICE, against the Python host side
-of the wire protocol (zl_mobile.protocol) over loopback TCP.
+of the wire protocol (zl_mobile.protocol) and the Python stage links (zl_mobile.links) over
+loopback TCP: the host's feed (an OutboundLink) into the Kotlin stage's data port, and the Kotlin
+stage's h_k into a Python InboundLink, with the link rules of docs/PROTOCOL.md 5.4.1 on both sides.
 
 The Kotlin classes are built by kotlin_app/run_tests.sh (kotlinc from npm, pinned). Nothing here
 is skipped: without the toolchain these tests FAIL and say how to install it.
@@ -12,11 +14,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from zl_mobile.links import InboundLink, InboundQueue, OutboundLink
 from zl_mobile.protocol import (ConnectionClosed, ErrorCode, Message, MsgType, ProtocolError,
                                 host_handshake, new_token, recv_message, send_message)
 
@@ -48,7 +52,7 @@ class KotlinDevice:
         self.token = token
         self.proc = subprocess.Popen(
             ["java", "-cp", classpath, "org.zerolock.core.DeviceMain", "--port", "0", "--bind", "127.0.0.1",
-             "--token", token, "--name", "kotlin-interop", "--dir", str(tmp), "--echo-hidden"],
+             "--token", token, "--name", "kotlin-interop", "--dir", str(tmp)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.port = None
         self.stderr: list[str] = []
@@ -65,6 +69,10 @@ class KotlinDevice:
         s = socket.create_connection(("127.0.0.1", self.port), timeout=20)
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return s
+
+    def kill(self):
+        self.proc.kill()
+        self.proc.wait()
 
     def close(self):
         if self.proc.poll() is None:
@@ -83,11 +91,14 @@ def device(classpath, tmp_path):
     d.close()
 
 
-def _assign(request_id: int, window_size: int = 2) -> Message:
-    return Message(MsgType.STAGE_ASSIGN, {
-        "request_id": request_id, "stage": 0, "num_stages": 1, "upstream": None, "downstream": None,
-        "program_sha256": "ab" * 32, "window_size": window_size, "inflight_depth": 2, "buffer_capacity": 4,
-        "run_id": "interop", "config": {"lr": 0.05}})
+def _assign(request_id: int, feed_token: str, window_size: int = 2, downstream: str | None = None,
+            downstream_token: str | None = None) -> Message:
+    meta = {"request_id": request_id, "stage": 0, "num_stages": 1, "upstream": "host", "downstream": downstream,
+            "program_sha256": "ab" * 32, "window_size": window_size, "inflight_depth": 2, "replay_horizon": 16,
+            "run_id": "interop", "upstream_token": feed_token, "config": {"lr": 0.05}}
+    if downstream_token:
+        meta["downstream_token"] = downstream_token
+    return Message(MsgType.STAGE_ASSIGN, meta)
 
 
 def _recv_until(sock, want: MsgType, seen: list[Message]) -> Message:
@@ -99,7 +110,30 @@ def _recv_until(sock, want: MsgType, seen: list[Message]) -> Message:
             return m
 
 
+def _recv_while(sock, seen: list[Message], more) -> None:
+    while more():
+        m = recv_message(sock)
+        assert m.type != MsgType.ERROR, f"device sent ERROR {m.meta}"
+        seen.append(m)
+
+
+def _of(seen: list[Message], t: MsgType) -> list[Message]:
+    return [m for m in seen if m.type == t]
+
+
+def _wait(what: str, cond, timeout: float = 20.0) -> None:
+    end = time.time() + timeout
+    while not cond():
+        assert time.time() < end, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
 def test_handshake_and_hidden_states_both_ways(device):
+    feed_token, out_token = new_token(), new_token()
+    out_queue = InboundQueue()
+    collector = InboundLink("collector", out_token, out_queue, inflight_depth=2,
+                            next_needed=lambda: out_queue.next_after(0), port=0, bind="127.0.0.1")
+    feed = None
     with device.connect() as s:
         hello = host_handshake(s, device.token, "pytest-host")
         assert hello.type == MsgType.HELLO
@@ -110,10 +144,14 @@ def test_handshake_and_hidden_states_both_ways(device):
         hb = recv_message(s)
         assert hb.type == MsgType.HEARTBEAT and hb["seq"] == 41
 
-        send_message(s, _assign(7))
+        send_message(s, _assign(7, feed_token, downstream=f"127.0.0.1:{collector.port}", downstream_token=out_token))
         ack = recv_message(s)
         assert ack.type == MsgType.ACK and ack["request_id"] == 7 and ack["ok"] is True, ack
+        assert ack["committed_window"] == -1 and ack["next_micro_batch"] == 0 and ack["data_port"] > 0
 
+        # the host's feed into stage 0 is an OutboundLink, exactly as zl-host's coordinator does it
+        feed = OutboundLink("host-feed", feed_token, window_size=2, replay_horizon=16, prune_on_commit=False)
+        feed.set_address(f"127.0.0.1:{ack['data_port']}")
         rng = np.random.default_rng(0)
         sent = {}
         for mb in range(4):  # two update windows of 2 micro-batches
@@ -121,19 +159,20 @@ def test_handshake_and_hidden_states_both_ways(device):
             labels = rng.integers(0, 32000, (1, 3)).astype(np.int64)
             mask = np.array([[False, True, True]])
             sent[mb] = (h, labels, mask)
-            send_message(s, Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": mb // 2},
-                                    {"h": h, "labels": labels, "mask": mask}))
+            feed.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": mb // 2},
+                                 {"h": h, "labels": labels, "mask": mask}))
+
+        hidden = {}
+        for mb in range(4):  # the Kotlin stage's h_k arrives on the Python InboundLink, within credits
+            m = out_queue.take(mb, timeout=20)
+            assert m is not None, f"no h_k for micro-batch {mb}"
+            collector.grant(1)
+            hidden[mb] = m
 
         seen: list[Message] = []
-        hidden: dict[int, Message] = {}
-        commits = []
-        while len(hidden) < 4 or len(commits) < 2:
-            m = _recv_until(s, MsgType.HIDDEN_STATE, seen) if len(hidden) < 4 else \
-                _recv_until(s, MsgType.CHECKPOINT_COMMITTED, seen)
-            if m.type == MsgType.HIDDEN_STATE:
-                hidden[m["micro_batch"]] = m
-                send_message(s, Message(MsgType.CREDIT, {"credits": 1, "micro_batch": m["micro_batch"]}))
-            commits = [x for x in seen if x.type == MsgType.CHECKPOINT_COMMITTED]
+        _recv_while(s, seen, lambda: len(_of(seen, MsgType.CHECKPOINT_COMMITTED)) < 2
+                    or len(_of(seen, MsgType.TELEMETRY)) < 4)
+        commits = _of(seen, MsgType.CHECKPOINT_COMMITTED)
 
         # h_k from the Kotlin stand-in chunk: h * (1 + a) + b, with a = 0, b = 0.5 before any update
         h0, labels0, mask0 = sent[0]
@@ -143,11 +182,13 @@ def test_handshake_and_hidden_states_both_ways(device):
         np.testing.assert_array_equal(out0.tensors["labels"], labels0)
         np.testing.assert_array_equal(out0.tensors["mask"], mask0)
         assert out0.tensors["h"].dtype == np.float32 and out0.tensors["h"].shape == (1, 3, 8)
+        assert [hidden[mb]["micro_batch"] for mb in range(4)] == [0, 1, 2, 3]
 
-        credits = [x for x in seen if x.type == MsgType.CREDIT]
-        assert sorted(c["micro_batch"] for c in credits) == [0, 1, 2, 3]
         assert [c["window"] for c in commits] == [0, 1] and [c["step"] for c in commits] == [1, 2]
-        telemetry = [x for x in seen if x.type == MsgType.TELEMETRY]
+        # the stage told its upstream (the feed) too, on the link: windows <= 1 are durably used
+        _wait("CHECKPOINT_COMMITTED on the link", lambda: feed.downstream_committed == 1)
+        assert feed.buffered() == [0, 1, 2, 3]  # the host's feed keeps its inputs (no pruning)
+        telemetry = _of(seen, MsgType.TELEMETRY)
         assert telemetry and telemetry[0]["stage"] == 0 and "task_loss" in telemetry[0].meta
         assert all(isinstance(t["pss_bytes"], int) for t in telemetry)
 
@@ -156,9 +197,65 @@ def test_handshake_and_hidden_states_both_ways(device):
         assert st["request_id"] == 9 and st["step"] == 2
         assert set(st.tensors) == {"exp_avg/a", "exp_avg_sq/a", "exp_avg/b", "exp_avg_sq/b"}
 
-        send_message(s, Message(MsgType.SHUTDOWN, {"reason": "test over"}))
-        with pytest.raises((ConnectionClosed, ConnectionResetError)):
-            recv_message(s)
+        # hidden states never travel on the host session (as with zl-phone)
+        send_message(s, Message(MsgType.HIDDEN_STATE, {"micro_batch": 9, "window": 4}, {"h": h0}))
+        err = recv_message(s)
+        assert err.type == MsgType.ERROR and err["code"] == "UNEXPECTED"
+    feed.close()
+    collector.close()
+
+
+def test_killed_kotlin_stage_resumes_from_its_checkpoint_and_gets_its_gap(classpath, tmp_path):
+    """A Python upstream link (pruning on commit) feeds a Kotlin stage; the Kotlin device is killed
+    mid-window and restarted on the same storage: it resumes after its last committed window, asks
+    for exactly its gap, and applies every window once."""
+    token, feed_token = new_token(), new_token()
+    errors: list[str] = []
+    up = OutboundLink("stage0-out", feed_token, window_size=2, replay_horizon=16, on_error=errors.append)
+
+    def h(mb: int) -> Message:
+        return Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": mb // 2},
+                       {"h": np.full((1, 2, 4), 0.1 * (mb + 1), dtype=np.float32)})
+
+    dev = KotlinDevice(classpath, tmp_path, token)
+    try:
+        with dev.connect() as s:
+            host_handshake(s, token)
+            send_message(s, _assign(1, feed_token))
+            ack = recv_message(s)
+            up.set_address(f"127.0.0.1:{ack['data_port']}")
+            for mb in range(5):
+                up.publish(h(mb))
+            seen: list[Message] = []
+            _recv_while(s, seen, lambda: len(_of(seen, MsgType.TELEMETRY)) < 5)
+            assert [c["window"] for c in _of(seen, MsgType.CHECKPOINT_COMMITTED)] == [0, 1]
+            _wait("pruning on commit", lambda: up.buffered() == [4])
+        dev.kill()  # micro-batch 4 was accumulated, never committed
+    finally:
+        dev.close()
+
+    dev = KotlinDevice(classpath, tmp_path, token)
+    try:
+        with dev.connect() as s:
+            host_handshake(s, token)
+            send_message(s, _assign(2, feed_token))
+            ack = recv_message(s)
+            assert ack["committed_window"] == 1 and ack["next_micro_batch"] == 4, ack
+            up.set_address(f"127.0.0.1:{ack['data_port']}")
+            for mb in range(5, 8):
+                up.publish(h(mb))
+            seen = []
+            _recv_while(s, seen, lambda: len(_of(seen, MsgType.CHECKPOINT_COMMITTED)) < 2
+                        or len(_of(seen, MsgType.TELEMETRY)) < 4)
+            assert [c["window"] for c in _of(seen, MsgType.CHECKPOINT_COMMITTED)] == [2, 3]
+            assert [t["micro_batch"] for t in _of(seen, MsgType.TELEMETRY)] == [4, 5, 6, 7]  # exactly the gap
+            send_message(s, Message(MsgType.STATE_GET, {"request_id": 3, "kind": "lora"}))
+            st = _recv_until(s, MsgType.STATE_PUT, [])
+            assert st["step"] == 4  # four windows, each applied once
+        assert errors == []
+    finally:
+        up.close()
+        dev.close()
 
 
 def test_wrong_token_is_refused(device):

@@ -40,7 +40,8 @@ android {
 
 dependencies {
     implementation(project(":core"))
-    // ExecuTorch's Android runtime (org.pytorch.executorch.Module / EValue / Tensor).
+    // ExecuTorch's Android runtime (org.pytorch.executorch.Module / EValue / Tensor, and
+    // training.TrainingModule: the only loader that takes a .pte plus a .ptd; see README.md).
     // The host side exports with executorch 1.5.1. The newest executorch-android release found on
     // Maven Central while writing this was 1.0.1 (no 1.5.x AAR could be confirmed offline); bump it
     // to the release matching the exporter when one is published: a .pte must be read by a runtime

@@ -4,50 +4,67 @@ import org.pytorch.executorch.DType as EtDType
 import org.pytorch.executorch.EValue
 import org.pytorch.executorch.Module
 import org.pytorch.executorch.Tensor as EtTensor
+import org.pytorch.executorch.training.TrainingModule
 import org.zerolock.core.device.MethodBackend
 import org.zerolock.core.protocol.DType
 import org.zerolock.core.protocol.Tensor
 import java.io.File
-import java.nio.ByteBuffer
-import java.nio.ByteOrder
 
 /**
- * The one place that calls ExecuTorch: loads chunk_k.pte (+ its .ptd weights) from app storage
- * and runs the program's "phase1" / "phase2" methods. Everything else (input order by name,
- * LoRA, AdamW) lives in the core's ManifestChunkRunner.
+ * The one place that calls ExecuTorch (org.pytorch:executorch-android 1.0.x): loads chunk_k.pte,
+ * with its .ptd weights when the export has them, from app storage and runs the program's
+ * "phase1" / "phase2" methods. Everything else (input order by name, LoRA, AdamW) lives in the
+ * core's ManifestChunkRunner.
+ *
+ * Loading, as the executorch-android Java API allows it (see kotlin_app/README.md):
+ * - a .pte with its weights inside: `Module.load(path, Module.LOAD_MODE_MMAP)`, then
+ *   `Module.execute(method, inputs)`;
+ * - a .pte plus a .ptd: `Module` has no data-file overload in any release (1.0.1 up to 1.4.x), the
+ *   only loader that takes one is `TrainingModule.load(modelPath, dataPath)`, and it runs methods
+ *   only through `executeForwardBackward(method, inputs)`, which returns the outputs before the
+ *   gradients and needs the program's training metadata methods
+ *   `__et_training_gradients_index_<m>`, `__et_training_parameters_index_<m>` and
+ *   `__et_training_fqn_<m>`; the gradients come from `namedGradients(method)` by name.
  */
-class ChunkProgram private constructor(private val module: Module) : MethodBackend {
+class ChunkProgram private constructor(
+    private val module: Module?,
+    private val training: TrainingModule?,
+) : MethodBackend {
 
-    override fun run(method: String, inputs: List<Tensor>): List<Tensor> {
+    override fun run(method: String, inputs: List<Tensor>, outputNames: List<String>): List<Tensor> {
         val args = inputs.map { EValue.from(toEt(it)) }.toTypedArray()
-        val outs = module.execute(method, *args)
-        if (outs.isEmpty()) throw IllegalStateException("ExecuTorch returned no outputs for $method (module destroyed or method failed; see logcat tag ExecuTorch)")
-        return outs.map { fromEt(it.toTensor()) }
+        if (module != null) {
+            val outs = module.execute(method, *args)
+            if (outs.isEmpty()) throw IllegalStateException("ExecuTorch returned no outputs for $method (module destroyed or method failed; see logcat tag ExecuTorch)")
+            return outs.map { fromEt(it.toTensor()) }
+        }
+        val t = training!!
+        val user = try {
+            t.executeForwardBackward(method, *args)
+        } catch (e: Exception) {
+            throw IllegalStateException(
+                "ExecuTorch could not run $method of a program with external weights (${e.message}); on Android such a program " +
+                    "needs __et_training_gradients_index_$method, __et_training_parameters_index_$method and " +
+                    "__et_training_fqn_$method (see kotlin_app/README.md), or export the weights inside the .pte", e)
+        }.map { fromEt(it.toTensor()) }
+        if (user.size >= outputNames.size) return user
+        // the rest are gradients, by name: "grad:<lora name>" in the manifest, "<lora name>" in ExecuTorch
+        val grads = t.namedGradients(method)
+        return outputNames.mapIndexed { i, name ->
+            if (i < user.size) user[i]
+            else grads[name.removePrefix("grad:")]?.let { fromEt(it) }
+                ?: throw IllegalStateException("$method: ExecuTorch returned no gradient for ${name.removePrefix("grad:")} (has ${grads.keys})")
+        }
     }
 
-    override fun close() = module.destroy()
+    override fun close() {
+        module?.destroy() // TrainingModule 1.0.x has no destroy(); its native side goes with the object
+    }
 
     companion object {
-        /**
-         * Load [program] with its external [weights] (.ptd). Module.load(path, mode) covers
-         * programs with embedded weights; the overload that also takes the data file is looked up
-         * reflectively because its signature is not the same across executorch-android releases
-         * (1.0.x has none on Module; later releases add one).
-         */
-        fun load(program: File, weights: File?): ChunkProgram {
-            if (weights == null) return ChunkProgram(Module.load(program.absolutePath, Module.LOAD_MODE_MMAP))
-            val withData = Module::class.java.methods.firstOrNull { m ->
-                m.name == "load" && java.lang.reflect.Modifier.isStatic(m.modifiers) &&
-                    m.parameterTypes.size >= 2 && m.parameterTypes[0] == String::class.java && m.parameterTypes[1] == String::class.java
-            } ?: throw IllegalStateException(
-                "this executorch-android has no Module.load(program, data) overload, so ${weights.name} cannot be attached; " +
-                    "update org.pytorch:executorch-android in app/build.gradle.kts to the release matching the exporter")
-            val extra = withData.parameterTypes.drop(2).map { t -> if (t == Int::class.javaPrimitiveType) Module.LOAD_MODE_MMAP else null }
-            val module = withData.invoke(null, program.absolutePath, weights.absolutePath, *extra.toTypedArray()) as Module
-            return ChunkProgram(module)
-        }
-
-        private fun le(b: ByteArray): ByteBuffer = ByteBuffer.wrap(b).order(ByteOrder.LITTLE_ENDIAN)
+        fun load(program: File, weights: File?): ChunkProgram =
+            if (weights == null) ChunkProgram(Module.load(program.absolutePath, Module.LOAD_MODE_MMAP), null)
+            else ChunkProgram(null, TrainingModule.load(program.absolutePath, weights.absolutePath))
 
         private fun toEt(t: Tensor): EtTensor = when (t.dtype) {
             DType.FLOAT32 -> EtTensor.fromBlob(t.toFloatArray(), t.shape)

@@ -19,11 +19,12 @@ class NsdAdvertiser(context: Context) {
             setPort(port)
             for ((k, v) in txt.toAttributes()) setAttribute(k, v)
         }
+        // block bodies: Log.i/w return int, the listener's methods return void
         val l = object : NsdManager.RegistrationListener {
-            override fun onServiceRegistered(si: NsdServiceInfo) = Log.i(TAG, "advertised ${si.serviceName} on port $port")
-            override fun onRegistrationFailed(si: NsdServiceInfo, errorCode: Int) = Log.w(TAG, "mDNS registration failed ($errorCode); pair over adb instead")
-            override fun onServiceUnregistered(si: NsdServiceInfo) = Log.i(TAG, "mDNS advertisement withdrawn")
-            override fun onUnregistrationFailed(si: NsdServiceInfo, errorCode: Int) = Log.w(TAG, "mDNS unregistration failed ($errorCode)")
+            override fun onServiceRegistered(si: NsdServiceInfo) { Log.i(TAG, "advertised ${si.serviceName} on port $port") }
+            override fun onRegistrationFailed(si: NsdServiceInfo, errorCode: Int) { Log.w(TAG, "mDNS registration failed ($errorCode); pair over adb instead") }
+            override fun onServiceUnregistered(si: NsdServiceInfo) { Log.i(TAG, "mDNS advertisement withdrawn") }
+            override fun onUnregistrationFailed(si: NsdServiceInfo, errorCode: Int) { Log.w(TAG, "mDNS unregistration failed ($errorCode)") }
         }
         listener = l
         nsd.registerService(info, NsdManager.PROTOCOL_DNS_SD, l)

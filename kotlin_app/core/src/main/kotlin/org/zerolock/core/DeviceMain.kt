@@ -14,10 +14,11 @@ import java.nio.file.Files
  * [AffineChunkRunner] stand-in chunk. Used by tests/test_kotlin_interop.py and for demos.
  *
  *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.DeviceMain \
- *        [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME] [--dir DIR] [--echo-hidden]
+ *        [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME] [--dir DIR]
  *
- * Prints `LISTENING <port>` and `TOKEN <hex>` on stdout once it accepts connections, then
- * serves until stdin closes or the process is killed.
+ * Prints `TOKEN <hex>` and `LISTENING <port>` on stdout once it accepts connections, then
+ * serves until stdin closes or the process is killed. As with zl-phone, STAGE_ASSIGN opens the
+ * stage's data port (ACK `data_port`) for the upstream link / the host's feed.
  */
 object DeviceMain {
     @JvmStatic
@@ -27,7 +28,6 @@ object DeviceMain {
         var token: String? = null
         var name = "kotlin-device"
         var dir: File? = null
-        var echo = false
         var i = 0
         fun value(): String = args.getOrNull(++i) ?: error("${args[i - 1]} needs a value")
         while (i < args.size) {
@@ -37,8 +37,7 @@ object DeviceMain {
                 "--token" -> token = value()
                 "--name" -> name = value()
                 "--dir" -> dir = File(value())
-                "--echo-hidden" -> echo = true
-                "-h", "--help" -> { println("usage: DeviceMain [--port N] [--bind ADDR] [--token HEX64] [--name NAME] [--dir DIR] [--echo-hidden]"); return }
+                "-h", "--help" -> { println("usage: DeviceMain [--port N] [--bind ADDR] [--token HEX64] [--name NAME] [--dir DIR]"); return }
                 else -> error("unknown argument ${args[i]}")
             }
             i++
@@ -53,7 +52,6 @@ object DeviceMain {
             checkpointDir = File(root, "checkpoints"),
             runners = RunnerFactory { _, _ -> AffineChunkRunner() },
             stats = { Pair(Runtime.getRuntime().totalMemory() - Runtime.getRuntime().freeMemory(), null) },
-            echoHidden = echo,
             log = { System.err.println("[device] $it") },
         )
         val p = server.start(port, InetAddress.getByName(bind))

@@ -1,5 +1,6 @@
 package org.zerolock.core
 
+import org.junit.jupiter.api.Assertions.assertArrayEquals
 import org.junit.jupiter.api.Assertions.assertEquals
 import org.junit.jupiter.api.Assertions.assertTrue
 import org.junit.jupiter.api.Test
@@ -7,6 +8,8 @@ import org.junit.jupiter.api.io.TempDir
 import org.zerolock.core.device.AffineChunkRunner
 import org.zerolock.core.device.DeviceInfo
 import org.zerolock.core.device.DeviceServer
+import org.zerolock.core.device.InboundLink
+import org.zerolock.core.device.OutboundLink
 import org.zerolock.core.device.RunnerFactory
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.FrameReader
@@ -27,9 +30,9 @@ import java.security.MessageDigest
 class DeviceServerTest {
     private val token = Handshake.newToken()
 
-    private fun server(dir: File) = DeviceServer(
-        DeviceInfo("jvm-test", "test", 1L shl 30), token, File(dir, "files"), File(dir, "ck"),
-        RunnerFactory { _, _ -> AffineChunkRunner() }, echoHidden = true,
+    private fun server(dir: File, ck: File = File(dir, "ck")) = DeviceServer(
+        DeviceInfo("jvm-test", "test", 1L shl 30), token, File(dir, "files"), ck,
+        RunnerFactory { _, _ -> AffineChunkRunner() },
     )
 
     private class Conn(port: Int) : AutoCloseable {
@@ -39,13 +42,42 @@ class DeviceServerTest {
         override fun close() = s.close()
     }
 
-    private fun assign(rid: Long, w: Int = 2) = Message(MsgType.STAGE_ASSIGN, linkedMapOf(
-        "request_id" to rid, "stage" to 0, "num_stages" to 1, "upstream" to null, "downstream" to null,
-        "program_sha256" to "0".repeat(64), "window_size" to w, "inflight_depth" to 2, "buffer_capacity" to 4,
-        "config" to mapOf("lr" to 0.05)))
+    private val feedToken = Handshake.newToken()
+    private val outToken = Handshake.newToken()
+
+    private fun assign(rid: Long, w: Int = 2, downstream: String? = null) = Message(MsgType.STAGE_ASSIGN, linkedMapOf(
+        "request_id" to rid, "stage" to 0, "num_stages" to 1, "upstream" to "host", "downstream" to downstream,
+        "program_sha256" to "0".repeat(64), "window_size" to w, "inflight_depth" to 2, "replay_horizon" to 16,
+        "run_id" to "t", "upstream_token" to feedToken, "config" to mapOf("lr" to 0.05)).also {
+            if (downstream != null) it["downstream_token"] = outToken
+        })
+
+    private fun input(mb: Long) = Tensor.ofFloats(FloatArray(6) { it + mb.toFloat() }, 1, 2, 3)
+    private fun hidden(mb: Long, w: Int = 2) = Messages.hiddenState(mb, mb / w, input(mb))
+
+    /** Read host-session messages until [done] holds; ERROR fails the test. */
+    private fun collect(c: Conn, done: (Map<MsgType, List<Message>>) -> Boolean): Map<MsgType, List<Message>> {
+        val got = HashMap<MsgType, MutableList<Message>>()
+        while (!done(got)) {
+            val m = c.r.read()
+            assertTrue(m.type != MsgType.ERROR, m.toString())
+            got.getOrPut(m.type) { mutableListOf() }.add(m)
+        }
+        return got
+    }
+
+    private fun commits(got: Map<MsgType, List<Message>>) = got[MsgType.CHECKPOINT_COMMITTED]?.map { it.long("window") } ?: emptyList()
+
+    private fun waitFor(what: String, cond: () -> Boolean) {
+        val end = System.currentTimeMillis() + 10_000
+        while (!cond()) { assertTrue(System.currentTimeMillis() < end, "timed out waiting for $what"); Thread.sleep(10) }
+    }
 
     @Test
-    fun `session - handshake, assign, hidden states both ways, windows commit`(@TempDir dir: File) {
+    fun `session - handshake, assign, hidden states over the links, windows commit`(@TempDir dir: File) {
+        val outQueue = InboundQueue<Message>()
+        val collector = InboundLink("collector", outToken, outQueue, inflightDepth = 2, nextNeeded = { outQueue.nextAfter(0) },
+            bind = InetAddress.getLoopbackAddress())
         server(dir).use { srv ->
             val port = srv.start(0, InetAddress.getLoopbackAddress())
             Conn(port).use { c ->
@@ -57,39 +89,94 @@ class DeviceServerTest {
                     val e = assertThrows<ProtocolException> { hostHandshake(c2.r, c2.w, token, "intruder") }
                     assertEquals(ErrorCode.BUSY, e.code)
                 }
-                c.w.write(assign(1))
+                c.w.write(assign(1, downstream = "127.0.0.1:${collector.port}"))
                 val ack = c.r.read()
                 assertEquals(MsgType.ACK, ack.type, ack.toString()); assertTrue(ack.bool("ok"))
-                val got = HashMap<MsgType, MutableList<Message>>()
-                for (mb in 0L until 4L) {
-                    c.w.write(Messages.hiddenState(mb, mb / 2, Tensor.ofFloats(FloatArray(6) { it + mb.toFloat() }, 1, 2, 3)))
+                assertEquals(-1L, ack.long("committed_window")); assertEquals(0L, ack.long("next_micro_batch"))
+                // hidden states never travel on the host session
+                c.w.write(hidden(0))
+                val refused = c.r.read()
+                assertEquals(MsgType.ERROR, refused.type); assertEquals("UNEXPECTED", refused.string("code"))
+            }
+            waitFor("the first session to end") { !srv.sessionBusy() }
+            Conn(port).use { c ->
+                hostHandshake(c.r, c.w, token, "test-host"); c.r.maxFrame = Frames.DEFAULT_MAX_FRAME
+                c.w.write(assign(2, downstream = "127.0.0.1:${collector.port}")) // same run and stage: kept
+                val ack = c.r.read()
+                assertTrue(ack.bool("ok"), ack.toString())
+                val feed = OutboundLink("host-feed", feedToken, windowSize = 2, replayHorizon = 16, pruneOnCommit = false)
+                feed.setAddress("127.0.0.1:${ack.long("data_port")}")
+                for (mb in 0L until 4L) feed.publish(hidden(mb))
+                val out = (0L until 4L).map { mb ->
+                    outQueue.take(mb, 10_000).also { collector.grant(1) } ?: throw AssertionError("no h_k for micro-batch $mb")
                 }
-                var hidden = 0
-                while (hidden < 4 || (got[MsgType.CHECKPOINT_COMMITTED]?.size ?: 0) < 2 || (got[MsgType.TELEMETRY]?.size ?: 0) < 4) {
-                    val m = c.r.read()
-                    got.getOrPut(m.type) { mutableListOf() }.add(m)
-                    if (m.type == MsgType.HIDDEN_STATE) { hidden++; c.w.write(Messages.credit(1, m.long("micro_batch"))) }
-                    assertTrue(m.type != MsgType.ERROR, m.toString())
-                }
-                val h0 = got[MsgType.HIDDEN_STATE]!!.first { it.long("micro_batch") == 0L }.tensor("h")
+                val got = collect(c) { commits(it).size >= 2 && (it[MsgType.TELEMETRY]?.size ?: 0) >= 4 }
+                val h0 = out[0].tensor("h")
                 assertEquals(listOf(1L, 2L, 3L), h0.shape.toList())
                 assertEquals(0.5f, h0.toFloatArray()[0]) // a=0, b=0.5 before the first update
-                assertEquals(4, got[MsgType.CREDIT]!!.size)
-                val commits = got[MsgType.CHECKPOINT_COMMITTED]!!
-                assertEquals(listOf(0L, 1L), commits.map { it.long("window") })
+                assertEquals(listOf(0L, 1L, 2L, 3L), out.map { it.long("micro_batch") })
+                assertEquals(listOf(0L, 1L), commits(got))
+                waitFor("the upstream to learn of the commits") { feed.downstreamCommitted == 1L }
+                assertEquals(listOf(0L, 1L, 2L, 3L), feed.buffered(), "the host's feed keeps its inputs")
                 val ck = File(dir, "ck").listFiles()!!.single { it.name.endsWith(".ckpt") }
-                assertEquals(Handshake.hex(MessageDigest.getInstance("SHA-256").digest(ck.readBytes())), commits.last().string("sha256"))
+                assertEquals(Handshake.hex(MessageDigest.getInstance("SHA-256").digest(ck.readBytes())), got[MsgType.CHECKPOINT_COMMITTED]!!.last().string("sha256"))
                 c.w.write(Message(MsgType.STATE_GET, linkedMapOf("request_id" to 9, "kind" to "lora")))
                 var st: Message
                 do { st = c.r.read() } while (st.type != MsgType.STATE_PUT)
                 assertEquals(setOf("a", "b"), st.tensors.keys)
                 assertTrue(st.tensor("b").toFloatArray()[0] < 0.5f, "training moved b towards the target")
                 c.w.write(Message(MsgType.SHUTDOWN, mapOf("reason" to "done")))
+                feed.close()
             }
             // the slot is free again after the session ended
-            Thread.sleep(200)
+            waitFor("the session to end") { !srv.sessionBusy() }
             Conn(port).use { c -> hostHandshake(c.r, c.w, token, "test-host") }
         }
+        collector.close()
+    }
+
+    @Test
+    fun `a restarted device resumes after its last committed window and gets exactly its gap`(@TempDir dir: File) {
+        val ck = File(dir, "ck")
+        // the upstream stage's link: prunes on commit, replays from the downstream's resume point
+        val up = OutboundLink("stage0-out", feedToken, windowSize = 2, replayHorizon = 16)
+        server(File(dir, "a"), ck).use { srv ->
+            Conn(srv.start(0, InetAddress.getLoopbackAddress())).use { c ->
+                hostHandshake(c.r, c.w, token, "h"); c.r.maxFrame = Frames.DEFAULT_MAX_FRAME
+                c.w.write(assign(1)); val ack = c.r.read()
+                up.setAddress("127.0.0.1:${ack.long("data_port")}")
+                for (mb in 0L until 5L) up.publish(hidden(mb))
+                val got = collect(c) { (it[MsgType.TELEMETRY]?.size ?: 0) >= 5 }
+                assertEquals(listOf(0L, 1L), commits(got))
+                waitFor("pruning on commit") { up.buffered() == listOf(4L) }
+            }
+        } // the device goes away with micro-batch 4 accumulated, not committed
+        server(File(dir, "b"), ck).use { srv ->
+            Conn(srv.start(0, InetAddress.getLoopbackAddress())).use { c ->
+                hostHandshake(c.r, c.w, token, "h"); c.r.maxFrame = Frames.DEFAULT_MAX_FRAME
+                c.w.write(assign(1)); val ack = c.r.read()
+                assertEquals(1L, ack.long("committed_window")); assertEquals(4L, ack.long("next_micro_batch"))
+                up.setAddress("127.0.0.1:${ack.long("data_port")}")
+                for (mb in 5L until 8L) up.publish(hidden(mb))
+                val got = collect(c) { commits(it).size >= 2 && (it[MsgType.TELEMETRY]?.size ?: 0) >= 4 }
+                assertEquals(listOf(2L, 3L), commits(got))
+                assertEquals(listOf(4L, 5L, 6L, 7L), got[MsgType.TELEMETRY]!!.map { it.long("micro_batch") }, "exactly the gap")
+                c.w.write(Message(MsgType.STATE_GET, linkedMapOf("request_id" to 3, "kind" to "lora")))
+                var st: Message
+                do { st = c.r.read() } while (st.type != MsgType.STATE_PUT)
+                assertEquals(4L, st.long("step"), "4 windows, each applied once")
+                // reference: the same 8 micro-batches without a restart
+                val runner = AffineChunkRunner()
+                val ref = StageTrainer(UpdateWindows(2), AdamW(lr = 0.05, weightDecay = 0.0), MemoryCheckpointStore(), runner.initialLora())
+                for (mb in 0L until 8L) {
+                    val batch = mapOf("h" to input(mb))
+                    val lora = ref.parameters()
+                    ref.onGradients(mb, runner.phase2(batch, runner.phase1(batch, lora), lora).grads)
+                }
+                for (n in listOf("a", "b")) assertArrayEquals(ref.parameter(n), st.tensor(n).toFloatArray(), n)
+            }
+        }
+        up.close()
     }
 
     @Test

@@ -17,6 +17,36 @@ class JsonTest {
         assertThrows<Json.JsonError> { Json.parse("{\"a\":1,}") }
         assertThrows<Json.JsonError> { Json.parse("[1] x") }
     }
+
+    /** One scanner, two modes: what the lenient reader takes, frame metadata (strict) refuses. */
+    @Test
+    fun `lenient and strict modes of the one scanner`() {
+        val lenientOnly = mapOf(
+            """{"a": NaN}""" to "NaN", """{"a": -Infinity}""" to "-Infinity",
+            """{"a": 1, "a": 2}""" to "duplicate key", """{"a": 123456789012345678901234}""" to "int64 overflow",
+            """{"a": 1e999}""" to "float overflow", """{"a": "\ud800"}""" to "lone surrogate",
+            "{\"a\":" + "[".repeat(40) + "]".repeat(40) + "}" to "depth 41",
+        )
+        for ((text, why) in lenientOnly) {
+            Json.parse(text) // accepted
+            val e = assertThrows<org.zerolock.core.protocol.ProtocolException> {
+                org.zerolock.core.protocol.MetaJson.parseObject(text.toByteArray())
+            }
+            assertEquals(org.zerolock.core.protocol.ErrorCode.MALFORMED, e.code, why)
+        }
+        val v = Json.parse("""{"a": 1, "a": 2, "big": 123456789012345678901234}""").asObject()
+        assertEquals(2L, v["a"], "last value wins")
+        assertEquals(1.2345678901234568e23, v["big"])
+        for (bad in listOf("{\"a\": \"\\uZZZZ\"}", "[01]", "[1.]", "[-]", "{\"a\" 1}", "[\"\u0001\"]")) {
+            assertThrows<Json.JsonError> { Json.parse(bad) }
+            assertThrows<org.zerolock.core.protocol.ProtocolException> { org.zerolock.core.protocol.MetaJson.parseObject("{\"k\": $bad}".toByteArray()) }
+        }
+        assertThrows<Json.JsonError> { Json.parse("[".repeat(Json.MAX_DEPTH + 1) + "]".repeat(Json.MAX_DEPTH + 1)) }
+        // the writers: insertion order + NaN (lenient), sorted keys and no NaN (strict)
+        assertEquals("""{"b":1,"a":NaN}""", Json.write(linkedMapOf("b" to 1, "a" to Double.NaN)))
+        assertEquals("""{"a":"\u0001","b":1}""", String(org.zerolock.core.protocol.MetaJson.encode(linkedMapOf("b" to 1L, "a" to "\u0001"))))
+        assertThrows<IllegalArgumentException> { org.zerolock.core.protocol.MetaJson.encode(mapOf("a" to Double.NaN)) }
+    }
 }
 
 class TelemetryTest {

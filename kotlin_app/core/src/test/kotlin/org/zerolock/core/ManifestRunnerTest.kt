@@ -26,8 +26,10 @@ class ManifestRunnerTest {
     /** Records the calls; returns fixed outputs. */
     private class FakeBackend : MethodBackend {
         val calls = mutableListOf<Pair<String, List<Tensor>>>()
-        override fun run(method: String, inputs: List<Tensor>): List<Tensor> {
+        val outputNames = mutableListOf<List<String>>()
+        override fun run(method: String, inputs: List<Tensor>, outputNames: List<String>): List<Tensor> {
             calls += method to inputs
+            this.outputNames += outputNames
             return if (method == "phase1") listOf(Tensor.ofFloats(floatArrayOf(9f, 8f, 7f), 1, 3), Tensor.ofFloats(floatArrayOf(1f)))
             else listOf(Tensor.ofFloats(floatArrayOf(2f), *longArrayOf()), Tensor.ofFloats(floatArrayOf(1.5f), *longArrayOf()), Tensor.ofFloats(floatArrayOf(0.5f), *longArrayOf()),
                 Tensor.ofFloats(FloatArray(6) { 1f }, 2, 3), Tensor.ofFloats(FloatArray(6) { 2f }, 3, 2))
@@ -57,6 +59,8 @@ class ManifestRunnerTest {
         assertEquals(2.0, p2.loss); assertEquals(1.5, p2.taskLoss); assertEquals(0.5, p2.consisLoss)
         assertArrayEquals(FloatArray(6) { 2f }, p2.grads["q.lora_B"])
         assertEquals(listOf(1f), backend.calls[1].second[2].toFloatArray().toList(), "saved activations flow from phase 1")
+        assertEquals(listOf(listOf("h_out", "saved_0"), listOf("loss", "task_loss", "consis_loss", "grad:q.lora_A", "grad:q.lora_B")),
+            backend.outputNames, "the backend is told the manifest's output names")
         // a wrong input shape is a clear error
         val bad = mapOf("h" to Tensor.ofFloats(floatArrayOf(1f, 2f), 1, 2))
         assertThrows<IllegalArgumentException> { runner.phase1(bad, lora) }

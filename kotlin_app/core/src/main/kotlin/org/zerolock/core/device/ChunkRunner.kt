@@ -26,9 +26,13 @@ interface ChunkRunner {
     fun close() {}
 }
 
-/** Runs one method of a loaded program: inputs and outputs in signature order. */
+/**
+ * Runs one method of a loaded program: inputs and outputs in signature order. [outputNames] are
+ * the manifest's names of the outputs, in order (a backend that gets some outputs by name, like
+ * ExecuTorch's TrainingModule with its named gradients, puts them back in this order).
+ */
 interface MethodBackend {
-    fun run(method: String, inputs: List<Tensor>): List<Tensor>
+    fun run(method: String, inputs: List<Tensor>, outputNames: List<String>): List<Tensor>
     fun close() {}
 }
 
@@ -94,7 +98,7 @@ class ManifestChunkRunner(private val chunk: Map<String, Any?>, private val back
         }
 
     override fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result {
-        val outs = backend.run("phase1", gather("phase1", p1In, batch, lora))
+        val outs = backend.run("phase1", gather("phase1", p1In, batch, lora), p1Out.map { it.name })
         require(outs.size == p1Out.size) { "phase1 returned ${outs.size} outputs, manifest lists ${p1Out.size}" }
         val named = LinkedHashMap<String, Tensor>()
         for ((s, t) in p1Out.zip(outs)) named[s.name] = t
@@ -104,7 +108,7 @@ class ManifestChunkRunner(private val chunk: Map<String, Any?>, private val back
 
     override fun phase2(batch: Map<String, Tensor>, p1: Phase1Result, lora: Map<String, FloatArray>): Phase2Result {
         val pool = LinkedHashMap<String, Tensor>(batch).also { it.putAll(p1.saved) }
-        val outs = backend.run("phase2", gather("phase2", p2In, pool, lora))
+        val outs = backend.run("phase2", gather("phase2", p2In, pool, lora), p2Out.map { it.name })
         require(outs.size == p2Out.size) { "phase2 returned ${outs.size} outputs, manifest lists ${p2Out.size}" }
         val named = p2Out.map { it.name }.zip(outs).toMap()
         fun scalar(n: String): Double = named[n]?.toFloatArray()?.firstOrNull()?.toDouble() ?: Double.NaN

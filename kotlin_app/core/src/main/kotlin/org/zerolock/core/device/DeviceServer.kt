@@ -1,6 +1,5 @@
 package org.zerolock.core.device
 
-import org.zerolock.core.CreditGate
 import org.zerolock.core.protocol.ConnectionClosedException
 import org.zerolock.core.protocol.DeviceAuth
 import org.zerolock.core.protocol.ErrorCode
@@ -13,7 +12,6 @@ import org.zerolock.core.protocol.Messages
 import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.ProtocolException
 import org.zerolock.core.protocol.deviceHandshake
-import org.zerolock.core.protocol.hostHandshake
 import java.io.File
 import java.io.IOException
 import java.net.InetAddress
@@ -41,11 +39,12 @@ fun interface RunnerFactory { fun create(assignment: StageAssignment, filesDir: 
 
 /**
  * The device side of ZLWP/1: a TCP server that authenticates the host (one session at a time),
- * then serves the session: STAGE_ASSIGN, file pushes, hidden states, credits, state, heartbeat,
- * telemetry. Plain JVM code; the Android TrainingService only starts and stops it.
+ * then serves the session: STAGE_ASSIGN, file pushes, state, heartbeat, telemetry and
+ * CHECKPOINT_COMMITTED. Plain JVM code; the Android TrainingService only starts and stops it.
  *
- * [echoHidden]: with no downstream stage, send h_k back to whoever sent h_{k-1} (interop tests
- * and demos; the sender must return CREDITs for them like a downstream stage would).
+ * Hidden states never travel on the host session: like zl_mobile's device, STAGE_ASSIGN opens the
+ * stage's data port (its [InboundLink], acknowledged as `data_port`), where the upstream stage, or
+ * the host's feed for stage 0, connects with the link token (PROTOCOL.md 5.4.1).
  */
 class DeviceServer(
     private val info: DeviceInfo,
@@ -55,7 +54,6 @@ class DeviceServer(
     private val runners: RunnerFactory,
     private val stats: StatsProvider = StatsProvider { Pair(0L, null) },
     private val listener: StageListener = StageListener {},
-    private val echoHidden: Boolean = false,
     private val log: (String) -> Unit = {},
 ) : AutoCloseable {
     private val auth = DeviceAuth(token, info.name)
@@ -63,11 +61,14 @@ class DeviceServer(
     @Volatile private var hostWriter: FrameWriter? = null
     @Volatile var stage: StageRuntime? = null
         private set
-    private var upstreamServer: LinkServer? = null
+    private var bindAddress: InetAddress? = null
     private val files = FileReceiver(filesDir)
     @Volatile private var closed = false
 
     val port: Int get() = server?.localPort ?: -1
+
+    /** True while a host session holds the device (another host would get BUSY). */
+    fun sessionBusy(): Boolean = auth.sessionBusy()
 
     /** Bind (port 0 = any free port) and serve in background threads. Returns the bound port. */
     fun start(port: Int = 0, bind: InetAddress? = null): Int {
@@ -75,6 +76,7 @@ class DeviceServer(
         s.reuseAddress = true
         s.bind(InetSocketAddress(bind, port))
         server = s
+        bindAddress = bind
         Thread({ acceptLoop(s) }, "zl-accept").also { it.isDaemon = true; it.start() }
         log("listening on ${s.localSocketAddress}")
         return s.localPort
@@ -131,23 +133,19 @@ class DeviceServer(
             when (m.type) {
                 MsgType.HEARTBEAT -> writer.write(Messages.heartbeat(m.long("seq"), System.nanoTime() / 1_000_000))
                 MsgType.STAGE_ASSIGN -> writer.write(assign(m))
-                MsgType.HIDDEN_STATE -> requireStage(m).onHidden(m, writer)
-                MsgType.CREDIT -> requireStage(m).let { echoSink?.onCredit(m.long("credits").toInt()) }
-                MsgType.REPLAY_REQUEST -> requireStage(m).replay(m.long("from_micro_batch"), m.long("to_micro_batch"))
                 MsgType.STATE_GET -> writer.write(requireStage(m).state(m.string("kind"), m.long("request_id")))
                 MsgType.STATE_PUT -> writer.write(Messages.ack(m.long("request_id"), false, "STATE_PUT is not supported by this device yet; the adapter starts from its checkpoint or from init"))
                 MsgType.FILE_BEGIN, MsgType.FILE_CHUNK, MsgType.FILE_END -> files.onMessage(m)?.let { writer.write(it) }
                 MsgType.SHUTDOWN -> { stopStage(); return }
                 MsgType.ERROR -> { log("host reported ${m.string("code")}: ${m.string("message")}"); return }
-                else -> throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} is not valid in a host session")
+                else -> throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} is not something a host sends to a device" +
+                    if (m.type == MsgType.HIDDEN_STATE) "; hidden states go to the stage's data_port (PROTOCOL.md 5.4.1)" else "")
             }
         }
     }
 
     private fun requireStage(m: Message): StageRuntime =
         stage ?: throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} before STAGE_ASSIGN; assign a stage first")
-
-    private var echoSink: EchoSink? = null
 
     @Synchronized
     private fun assign(m: Message): Message {
@@ -158,30 +156,36 @@ class DeviceServer(
         } catch (e: ProtocolException) {
             return Messages.error(ErrorCode.REJECTED, e.detail, rid)
         }
-        stopStage()
-        val sink: HiddenSink? = when {
-            a.downstream != null -> DownstreamLink(a.downstream, a.downstreamToken!!, "${info.name} stage ${a.stage}", a.inflightDepth)
-            echoHidden -> EchoSink({ hostWriter }, a.inflightDepth).also { echoSink = it }
-            else -> null
+        val cur = stage
+        if (cur != null && !a.restart && cur.assignment.runId == a.runId && cur.assignment.stage == a.stage) {
+            cur.rewire(a.downstream) // a neighbour restarted: keep the running stage and its state
+            log("stage ${a.stage} rewired: downstream ${a.downstream}")
+            return assignAck(rid, cur)
         }
+        stopStage()
         val runner = try { runners.create(a, filesDir) } catch (e: Exception) {
-            sink?.close()
             return Messages.error(ErrorCode.REJECTED, "cannot load the chunk program: ${e.message}", rid)
         }
-        val rt = StageRuntime(a, runner, checkpointDir, sink, { hostWriter }, stats, listener)
-        stage = rt
-        if (a.listenPort != null && a.upstreamToken != null) {
-            upstreamServer = LinkServer(a.upstreamToken, info, rt, log).also { it.start(a.listenPort) }
+        val rt = try {
+            StageRuntime(a, runner, checkpointDir, { hostWriter }, stats, listener, bindAddress, log)
+        } catch (e: Exception) {
+            runner.close()
+            return Messages.error(ErrorCode.REJECTED, "cannot start stage ${a.stage}: ${e.message}", rid)
         }
-        log("assigned stage ${a.stage}/${a.numStages}, W=${a.windowSize} D=${a.inflightDepth} C=${a.bufferCapacity}, next micro-batch ${rt.trainer.nextMicroBatch}")
-        return Messages.ack(rid, true, "stage ${a.stage} ready; next micro-batch ${rt.trainer.nextMicroBatch}")
+        stage = rt
+        log("assigned stage ${a.stage}/${a.numStages}, W=${a.windowSize} D=${a.inflightDepth} horizon=${a.replayHorizon}, " +
+            "data port ${rt.dataPort}, next micro-batch ${rt.nextMicroBatch}")
+        return assignAck(rid, rt)
     }
+
+    /** ACK of STAGE_ASSIGN: where the upstream link connects and where the stage resumes. */
+    private fun assignAck(rid: Long, rt: StageRuntime): Message = Message(MsgType.ACK, linkedMapOf(
+        "request_id" to rid, "ok" to true, "data_port" to rt.dataPort,
+        "committed_window" to rt.committedWindow, "next_micro_batch" to rt.nextMicroBatch))
 
     @Synchronized
     private fun stopStage() {
-        upstreamServer?.close(); upstreamServer = null
         stage?.stop(); stage = null
-        echoSink = null
     }
 
     override fun close() {
@@ -189,125 +193,4 @@ class DeviceServer(
         stopStage()
         try { server?.close() } catch (_: IOException) {}
     }
-}
-
-/** Echo mode sink: h_k goes back on the host connection, bounded by credits from the host. */
-class EchoSink(private val out: () -> FrameWriter?, depth: Int) : HiddenSink {
-    private val gate = CreditGate(depth)
-    private val lock = Object()
-
-    override fun send(m: Message) {
-        synchronized(lock) {
-            while (!gate.canSend()) lock.wait(1000)
-            gate.onSend()
-        }
-        (out() ?: throw IOException("host connection gone")).write(m)
-    }
-
-    override fun onCredit(n: Int) {
-        synchronized(lock) {
-            try { gate.onCredit(n) } catch (e: org.zerolock.core.StageError) { throw ProtocolException(ErrorCode.UNEXPECTED, e.message ?: "bad credit") }
-            lock.notifyAll()
-        }
-    }
-}
-
-/**
- * The link to the downstream stage: this stage plays "host" (PROTOCOL.md 6) with the link token,
- * sends HIDDEN_STATE within its credits and reads CREDIT frames on a background thread.
- */
-class DownstreamLink(private val address: String, private val token: String, private val name: String, depth: Int) : HiddenSink {
-    private val gate = CreditGate(depth)
-    private val lock = Object()
-    private var sock: Socket? = null
-    private var writer: FrameWriter? = null
-
-    private fun connect(): FrameWriter {
-        writer?.let { return it }
-        val host = address.substringBeforeLast(':')
-        val port = address.substringAfterLast(':').toInt()
-        val s = Socket()
-        s.connect(InetSocketAddress(host, port), 10_000)
-        s.tcpNoDelay = true
-        val r = FrameReader(s.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
-        val w = FrameWriter(s.getOutputStream().buffered())
-        s.soTimeout = Handshake.HANDSHAKE_TIMEOUT_MS
-        hostHandshake(r, w, token, name)
-        s.soTimeout = 0
-        r.maxFrame = Frames.DEFAULT_MAX_FRAME
-        sock = s; writer = w
-        Thread({
-            try {
-                while (true) {
-                    val m = r.read()
-                    if (m.type == MsgType.CREDIT) onCredit(m.long("credits").toInt())
-                }
-            } catch (_: Exception) {
-            }
-        }, "zl-downstream").also { it.isDaemon = true; it.start() }
-        return w
-    }
-
-    override fun send(m: Message) {
-        synchronized(lock) {
-            while (!gate.canSend()) lock.wait(1000)
-            gate.onSend()
-        }
-        connect().write(m)
-    }
-
-    override fun onCredit(n: Int) {
-        synchronized(lock) { gate.onCredit(n); lock.notifyAll() }
-    }
-
-    override fun close() { try { sock?.close() } catch (_: IOException) {} }
-}
-
-/** Listener for the upstream stage's link (its own token; one upstream at a time). */
-class LinkServer(token: String, private val info: DeviceInfo, private val stage: StageRuntime, private val log: (String) -> Unit) : AutoCloseable {
-    private val auth = DeviceAuth(token, info.name)
-    private var server: ServerSocket? = null
-
-    fun start(port: Int) {
-        val s = ServerSocket()
-        s.reuseAddress = true
-        s.bind(InetSocketAddress(port))
-        server = s
-        Thread({
-            while (!s.isClosed) {
-                val c = try { s.accept() } catch (_: IOException) { break }
-                Thread({ serve(c) }, "zl-upstream").also { it.isDaemon = true; it.start() }
-            }
-        }, "zl-link-accept").also { it.isDaemon = true; it.start() }
-    }
-
-    private fun serve(sock: Socket) = sock.use { c ->
-        val r = FrameReader(c.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
-        val w = FrameWriter(c.getOutputStream().buffered())
-        c.soTimeout = Handshake.HANDSHAKE_TIMEOUT_MS
-        try {
-            deviceHandshake(r, w, auth, info.hello())
-        } catch (e: Exception) {
-            log("upstream link refused: ${e.message}"); return@use
-        }
-        c.soTimeout = 0
-        r.maxFrame = Frames.DEFAULT_MAX_FRAME
-        try {
-            while (true) {
-                val m = r.read()
-                when (m.type) {
-                    MsgType.HIDDEN_STATE -> stage.onHidden(m, w)
-                    MsgType.HEARTBEAT -> w.write(Messages.heartbeat(m.long("seq")))
-                    else -> throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} is not valid on a stage link")
-                }
-            }
-        } catch (e: ProtocolException) {
-            try { w.write(e.toMessage()) } catch (_: Exception) {}
-        } catch (_: Exception) {
-        } finally {
-            auth.releaseSession()
-        }
-    }
-
-    override fun close() { try { server?.close() } catch (_: IOException) {} }
 }

@@ -1,9 +1,8 @@
 package org.zerolock.core.device
 
 import org.zerolock.core.AdamW
-import org.zerolock.core.CreditGate
 import org.zerolock.core.FileCheckpointStore
-import org.zerolock.core.InboundBuffer
+import org.zerolock.core.InboundQueue
 import org.zerolock.core.StageError
 import org.zerolock.core.StageTrainer
 import org.zerolock.core.Telemetry
@@ -17,9 +16,8 @@ import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.ProtocolException
 import org.zerolock.core.protocol.Tensor
 import java.io.File
+import java.net.InetAddress
 import java.security.MessageDigest
-import java.util.concurrent.LinkedBlockingQueue
-import java.util.concurrent.TimeUnit
 
 /** The STAGE_ASSIGN parameters a stage runs with (defaults when the host omits them). */
 class StageAssignment(val msg: Message) {
@@ -30,34 +28,29 @@ class StageAssignment(val msg: Message) {
     val programSha256: String = msg.string("program_sha256")
     val windowSize: Int = (msg.longOrNull("window_size") ?: 4L).toInt()
     val inflightDepth: Int = (msg.longOrNull("inflight_depth") ?: 2L).toInt()
-    val bufferCapacity: Int = (msg.longOrNull("buffer_capacity") ?: (windowSize + inflightDepth).toLong()).toInt()
+    val replayHorizon: Int = (msg.longOrNull("replay_horizon") ?: 16L).toInt()
     val listenPort: Int? = msg.longOrNull("listen_port")?.toInt()
     val upstreamToken: String? = msg.stringOrNull("upstream_token")
     val downstreamToken: String? = msg.stringOrNull("downstream_token")
     val runId: String = msg.stringOrNull("run_id") ?: "run"
     @Suppress("UNCHECKED_CAST")
     val config: Map<String, Any?> = msg.meta["config"] as? Map<String, Any?> ?: emptyMap()
-    val lr: Double = (config["lr"] as? Number)?.toDouble() ?: 2e-4
+    val lr: Double = (config["lr"] as? Number)?.toDouble() ?: 1e-3
     val weightDecay: Double = (config["weight_decay"] as? Number)?.toDouble() ?: 0.0
+    val totalMicroBatches: Long? = (config["total_micro_batches"] as? Number)?.toLong()
+    /** config.restart: start afresh even if this device runs the same run_id and stage. */
+    val restart: Boolean = config["restart"] == true
 
     fun check() {
         fun reject(why: String): Nothing = throw ProtocolException(ErrorCode.REJECTED, why, msg.long("request_id"))
         if (windowSize < 1) reject("window_size must be >= 1")
         if (inflightDepth < 1) reject("inflight_depth must be >= 1")
-        // processed entries stay buffered until their window commits (<= W-1) + D in flight
-        if (bufferCapacity < windowSize - 1 + inflightDepth) {
-            reject("buffer_capacity $bufferCapacity < window_size - 1 + inflight_depth = ${windowSize - 1 + inflightDepth}: the upstream could overflow it")
+        if (replayHorizon < 1) reject("replay_horizon must be >= 1")
+        if (upstreamToken == null) {
+            reject("STAGE_ASSIGN for stage $stage lacks upstream_token: the stage needs the pairing token of its upstream link (section 6) to accept it")
         }
         if (downstream != null && downstreamToken == null) reject("downstream $downstream given without downstream_token")
     }
-}
-
-/** Where h_k goes: a downstream link, the sender itself (demo/echo mode), or nowhere (last stage). */
-interface HiddenSink {
-    /** Blocks until a credit is available, then sends. */
-    fun send(m: Message)
-    fun onCredit(n: Int) {}
-    fun close() {}
 }
 
 /** What the UI (and the host, as TELEMETRY) learns after each micro-batch. */
@@ -67,27 +60,44 @@ fun interface StageListener { fun onTelemetry(t: Telemetry) }
 fun interface StatsProvider { fun sample(): Pair<Long, Double?> }
 
 /**
- * One stage of the pipeline on this device: inbound buffer, credits, the trainer and its
- * checkpoint, and a worker thread that runs phase 1 -> send h_k -> phase 2 -> accumulate/step.
+ * One stage of the pipeline on this device, the Kotlin twin of zl_mobile/stage.py (ZeroLock
+ * schedule): per micro-batch take h_{k-1} from the inbound queue (and return its credit), phase 1,
+ * publish h_k downstream at once (early forwarding), phase 2, accumulate; at the end of each
+ * update window AdamW, an atomic checkpoint, then CHECKPOINT_COMMITTED to the host and to the
+ * upstream (which may then prune its replay buffer). After a restart the stage resumes at the
+ * first micro-batch after its last committed window and says so in REPLAY_REQUEST, so no window
+ * is lost or applied twice.
  */
 class StageRuntime(
     val assignment: StageAssignment,
     private val runner: ChunkRunner,
     checkpointDir: File,
-    private val sink: HiddenSink?,
     private val hostOut: () -> FrameWriter?,
     private val stats: StatsProvider = StatsProvider { Pair(0L, null) },
     private val listener: StageListener = StageListener {},
+    bind: InetAddress? = null,
+    private val log: (String) -> Unit = {},
 ) {
     val windows = UpdateWindows(assignment.windowSize)
-    val buffer = InboundBuffer<Message>(assignment.bufferCapacity)
     private val checkpointFile = File(checkpointDir, "stage${assignment.stage}-${assignment.runId}.ckpt")
     val trainer = StageTrainer(windows, AdamW(lr = assignment.lr, weightDecay = assignment.weightDecay), FileCheckpointStore(checkpointFile), runner.initialLora())
 
-    private class Work(val mb: Long, val replyTo: FrameWriter?)
-    private val queue = LinkedBlockingQueue<Work>()
+    /** The next micro-batch this stage trains: (last committed window + 1) * W after a (re)start. */
+    @Volatile var nextMicroBatch: Long = trainer.nextMicroBatch
+        private set
+    val committedWindow: Long get() = trainer.lastCommittedWindow
+
+    val queue = InboundQueue<Message>()
+    val inbound = InboundLink(
+        "stage${assignment.stage}-in", assignment.upstreamToken!!, queue, assignment.inflightDepth,
+        nextNeeded = { queue.nextAfter(nextMicroBatch) }, port = assignment.listenPort ?: 0, bind = bind, log = log)
+    val outbound: OutboundLink? = assignment.downstreamToken?.let { token ->
+        OutboundLink("stage${assignment.stage}-out", token, assignment.windowSize, assignment.replayHorizon,
+            onError = { reportError(it) }, log = log).also { it.setAddress(assignment.downstream) }
+    }
+    val dataPort: Int get() = inbound.port
+
     @Volatile private var running = true
-    private var forwardedUpTo = -1L
     private var activeNs = 0L
     private var waitNs = 0L
     private val started = System.nanoTime()
@@ -98,81 +108,75 @@ class StageRuntime(
 
     private val worker = Thread({ loop() }, "zl-stage-${assignment.stage}").also { it.isDaemon = true; it.start() }
 
-    /** HIDDEN_STATE from upstream (the host for stage 0). Errors are ProtocolExceptions. */
-    @Synchronized
-    fun onHidden(m: Message, replyTo: FrameWriter?) {
-        val mb = m.long("micro_batch")
-        val accepted = try {
-            buffer.push(mb, m)
-        } catch (e: StageError) {
-            throw ProtocolException(ErrorCode.UNEXPECTED, "${e.message}; the upstream must respect its credits")
-        }
-        if (!accepted) { replyTo?.write(Messages.credit(1, mb)); return } // below the horizon: drop, return the credit
-        queue.put(Work(mb, replyTo))
-    }
-
-    /** REPLAY_REQUEST: reprocess buffered micro-batches [from, to] (after a restart). */
-    @Synchronized
-    fun replay(from: Long, to: Long) {
-        trainer.restore()
-        for ((mb, _) in buffer.replayFrom(from)) if (mb <= to) queue.put(Work(mb, null))
-    }
+    /** STAGE_ASSIGN for the running stage: only the downstream address changes. */
+    fun rewire(downstream: String?) { outbound?.setAddress(downstream) }
 
     private fun loop() {
         while (running) {
+            val total = assignment.totalMicroBatches
+            if (total != null && nextMicroBatch >= total) { Thread.sleep(200); continue }
             val t0 = System.nanoTime()
-            val w = queue.poll(200, TimeUnit.MILLISECONDS) ?: continue
+            val mb = nextMicroBatch
+            val m = queue.take(mb, 200)
             waitNs += System.nanoTime() - t0
+            if (m == null) continue
             try {
-                process(w)
+                forward(mb, m)
             } catch (e: Throwable) {
                 failure = e
-                hostOut()?.let { out -> try { out.write(Messages.error(ErrorCode.INTERNAL, "stage ${assignment.stage}: ${e.message ?: e}")) } catch (_: Exception) {} }
+                reportError("stage ${assignment.stage} failed at micro-batch $mb: ${e.message ?: e}")
                 running = false
             }
         }
     }
 
-    private fun process(w: Work) {
-        val m = synchronized(this) { buffer[w.mb] } ?: return // pruned meanwhile
+    private fun forward(mb: Long, m: Message) {
+        inbound.grant(1, mb)
+        nextMicroBatch = mb + 1
+        val w = m.long("window")
+        if (w != windows.windowOf(mb)) {
+            throw StageError("bad_window", "micro-batch $mb labelled window $w, expected ${windows.windowOf(mb)} for window size ${windows.size}")
+        }
         val t0 = System.nanoTime()
         val lora = trainer.parameters()
         val p1 = runner.phase1(m.tensors, lora)
         activeNs += System.nanoTime() - t0
-        if (w.mb > forwardedUpTo && sink != null) {
-            val others = m.tensors.filterKeys { it != "h" }
-            val t1 = System.nanoTime()
-            sink.send(Messages.hiddenState(w.mb, m.long("window"), p1.h, others)) // early forwarding
-            waitNs += System.nanoTime() - t1
-        }
-        forwardedUpTo = maxOf(forwardedUpTo, w.mb)
-        w.replyTo?.write(Messages.credit(1, w.mb))
+        // early forwarding: h_k goes into the replay buffer and out as soon as a credit allows
+        outbound?.publish(Messages.hiddenState(mb, w, p1.h, m.tensors.filterKeys { it != "h" }))
         var taskLoss: Double? = null
         var consisLoss: Double? = null
         var loss: Double? = null
-        if (trainer.isTrainable(w.mb)) {
+        if (trainer.isTrainable(mb)) {
             val t2 = System.nanoTime()
             val p2 = runner.phase2(m.tensors, p1, lora)
-            val outcome = trainer.onGradients(w.mb, p2.grads)
+            val outcome = trainer.onGradients(mb, p2.grads)
             activeNs += System.nanoTime() - t2
             loss = p2.loss; taskLoss = p2.taskLoss; consisLoss = p2.consisLoss
             if (outcome == StageTrainer.Outcome.COMMITTED) {
-                synchronized(this) { buffer.setHorizon(windows.firstOf(trainer.lastCommittedWindow + 1)) }
                 val sha = Handshake.hex(MessageDigest.getInstance("SHA-256").digest(checkpointFile.readBytes()))
+                val cw = trainer.lastCommittedWindow
                 hostOut()?.write(Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf(
-                    "window" to trainer.lastCommittedWindow, "step" to trainer.optimizerSteps, "sha256" to sha)))
+                    "window" to cw, "step" to trainer.optimizerSteps, "sha256" to sha, "stage" to assignment.stage)))
+                inbound.committed(cw, trainer.optimizerSteps, sha)
             }
         }
         val (pss, temp) = stats.sample()
         val t = Telemetry(
-            stage = assignment.stage, window = windows.windowOf(w.mb), step = trainer.optimizerSteps,
+            stage = assignment.stage, window = w, step = trainer.optimizerSteps,
             taskLoss = taskLoss, consisLoss = consisLoss, pssBytes = pss, tempC = temp,
-            activeS = activeNs / 1e9, waitS = waitNs / 1e9, loss = loss, microBatch = w.mb,
+            activeS = activeNs / 1e9, waitS = waitNs / 1e9, loss = loss, microBatch = mb,
             timeMs = (System.nanoTime() - started) / 1_000_000,
+            extra = linkedMapOf("kind" to "micro_batch", "bytes_in" to inbound.bytesReceived, "bytes_out" to (outbound?.bytesSent ?: 0L)),
         )
         lastTelemetry = t
         listener.onTelemetry(t)
         hostOut()?.write(t.toMessage())
+    }
+
+    /** To the host as ERROR REJECTED (as zl_mobile does): a lost replay, a failed micro-batch. */
+    private fun reportError(text: String) {
+        log(text)
+        hostOut()?.let { out -> try { out.write(Messages.error(ErrorCode.REJECTED, text)) } catch (_: Exception) {} }
     }
 
     /** STATE_GET: the adapter ("lora") or AdamW moments ("optimizer") as tensors. */
@@ -188,13 +192,16 @@ class StageRuntime(
         }
         val meta = linkedMapOf<String, Any?>("request_id" to requestId, "kind" to kind, "step" to trainer.optimizerSteps)
         if (trainer.lastCommittedWindow >= 0) meta["window"] = trainer.lastCommittedWindow
+        meta["committed_window"] = trainer.lastCommittedWindow
         return Message(MsgType.STATE_PUT, meta, tensors)
     }
 
     fun stop() {
         running = false
+        queue.stop()
         worker.join(2000)
-        sink?.close()
+        inbound.close()
+        outbound?.close()
         runner.close()
     }
 }

@@ -1,0 +1,169 @@
+package org.zerolock.core
+
+import java.util.TreeMap
+
+/**
+ * The link rules of docs/PROTOCOL.md 5.4.1 as plain state machines, the same rules as the Python
+ * reference (zl_mobile/links.py), with the same names:
+ *
+ * - [OutboundLinkState] is the upstream side of a stage-to-stage link (and of the host's feed into
+ *   stage 0): the replay buffer of hidden states this stage produced, the downstream's resume point
+ *   and the credits. The networked `device.OutboundLink` drives it.
+ * - [InboundQueue] is the downstream side: hidden states received, by micro-batch id; with
+ *   [InboundQueue.nextAfter] it gives the resume point announced in REPLAY_REQUEST, and
+ *   [initialCredit] the first CREDIT. The networked `device.InboundLink` drives it.
+ *
+ * tests/vectors/link_rules/link_rules.json holds scenarios that both implementations must pass
+ * (tests/test_link_rules_vectors.py for Python, LinkRulesVectorsTest for Kotlin).
+ */
+object LinkRules {
+    /** "To the end" in REPLAY_REQUEST (2^53: the largest integer every JSON reader keeps exact). */
+    const val NO_END: Long = 1L shl 53
+
+    /** Python's message, word for word: the host shows it to the user. */
+    fun horizonPassedMessage(from: Long, to: Long, linkName: String): String =
+        "replay horizon passed: micro-batches $from-$to needed downstream of $linkName were pruned and are lost; " +
+            "raise the replay horizon (buffer) to cover a failure"
+
+    /** The CREDIT a downstream grants right after REPLAY_REQUEST: inflight_depth - queued, or none if <= 0. */
+    fun initialCredit(inflightDepth: Int, queued: Int): Long? = (inflightDepth - queued).toLong().takeIf { it > 0 }
+}
+
+/**
+ * Upstream side of one link. Not thread-safe by itself: the owner serializes calls.
+ *
+ * - [publish]: every hidden state produced goes into the replay buffer (ordered by micro-batch).
+ *   When the buffer holds more than [replayHorizon] entries, the oldest ones *already sent on the
+ *   current connection* are dropped (never one the downstream has not had yet), and
+ *   [prunedBelow] moves past them.
+ * - [connected]: a new connection starts with no resume point and zero credits.
+ * - [onReplayRequest]: the downstream says which micro-batch it needs next; sending resumes
+ *   there. Asking below [prunedBelow] is an error (the text of [LinkRules.horizonPassedMessage]),
+ *   returned, never skipped silently; sending then resumes at [prunedBelow].
+ * - [onCredit]: adds to the allowance; every frame sent spends one ([takeNext]).
+ * - [onCommitted]: the downstream durably used every micro-batch of windows <= w, so they are
+ *   dropped (when [pruneOnCommit]; the host's feed keeps its inputs for global rollback) and a later
+ *   request below (w+1)*W is an error.
+ */
+class OutboundLinkState<T>(
+    val name: String,
+    val windowSize: Int,
+    val replayHorizon: Int,
+    val pruneOnCommit: Boolean = true,
+) {
+    init {
+        require(windowSize >= 1) { "window size must be >= 1" }
+        require(replayHorizon >= 1) { "replay horizon must be >= 1" }
+    }
+
+    private val buffer = TreeMap<Long, T>()
+
+    /** Every micro-batch below this was dropped from the buffer. */
+    var prunedBelow: Long = 0
+        private set
+    /** The next micro-batch the downstream wants; null while not connected or before REPLAY_REQUEST. */
+    var next: Long? = null
+        private set
+    /** Frames the downstream still allows on this connection. */
+    var credits: Long = 0
+        private set
+    /** The downstream's last CHECKPOINT_COMMITTED window (-1: none yet). */
+    var downstreamCommitted: Long = -1
+        private set
+
+    fun buffered(): List<Long> = buffer.keys.toList()
+    operator fun contains(mb: Long): Boolean = buffer.containsKey(mb)
+
+    fun publish(mb: Long, entry: T) {
+        require(mb >= 0) { "micro-batch id must be >= 0" }
+        buffer[mb] = entry
+        while (buffer.size > replayHorizon) {
+            val old = buffer.firstKey()
+            val n = next
+            if (n == null || old >= n) break // never drop a hidden state the downstream has not had
+            buffer.remove(old)
+            prunedBelow = old + 1
+        }
+    }
+
+    fun connected() { next = null; credits = 0 }
+    fun disconnected() { next = null }
+
+    /** REPLAY_REQUEST from the downstream. Returns the horizon-passed error text, or null. */
+    fun onReplayRequest(from: Long): String? {
+        var start = from
+        var error: String? = null
+        if (start < prunedBelow) {
+            error = LinkRules.horizonPassedMessage(start, prunedBelow - 1, name)
+            start = prunedBelow
+        }
+        next = start
+        return error
+    }
+
+    fun onCredit(n: Long) {
+        require(n >= 1) { "credits must be >= 1" }
+        credits += n
+    }
+
+    fun onCommitted(window: Long) {
+        downstreamCommitted = maxOf(downstreamCommitted, window)
+        if (!pruneOnCommit) return
+        val end = (window + 1) * windowSize
+        buffer.headMap(end, false).clear()
+        prunedBelow = maxOf(prunedBelow, end)
+    }
+
+    fun sendable(): Boolean { val n = next; return n != null && credits > 0 && buffer.containsKey(n) }
+
+    /** The next frame to send, spending one credit; null if the rules allow none now. */
+    fun takeNext(): Pair<Long, T>? {
+        if (!sendable()) return null
+        val mb = next!!
+        credits -= 1
+        next = mb + 1
+        return mb to buffer.getValue(mb)
+    }
+}
+
+/**
+ * Downstream side: hidden states received, by micro-batch id. Thread-safe (the link's reader
+ * thread puts, the stage's thread takes). Entries are taken in order, so with [dropOlder] the
+ * ids below the one taken are stale duplicates and are dropped (gradients of BP baselines are
+ * taken in reverse order and must all stay: dropOlder = false).
+ */
+class InboundQueue<T>(val dropOlder: Boolean = true) {
+    private val items = TreeMap<Long, T>()
+    private val lock = Object()
+    private var stopped = false
+
+    fun put(mb: Long, entry: T) = synchronized(lock) { items[mb] = entry; lock.notifyAll() }
+
+    /** Micro-batch [mb] if queued (and the older ones dropped), else null; never waits. */
+    fun tryTake(mb: Long): T? = synchronized(lock) { takeLocked(mb) }
+
+    /** Wait up to [timeoutMs] for micro-batch [mb]; null on timeout or after [stop]. */
+    fun take(mb: Long, timeoutMs: Long): T? = synchronized(lock) {
+        val deadline = System.nanoTime() + timeoutMs * 1_000_000
+        while (!items.containsKey(mb) && !stopped) {
+            val left = (deadline - System.nanoTime()) / 1_000_000
+            if (left <= 0) return null
+            lock.wait(left)
+        }
+        takeLocked(mb)
+    }
+
+    private fun takeLocked(mb: Long): T? {
+        if (!items.containsKey(mb)) return null
+        if (dropOlder) items.headMap(mb, false).clear()
+        return items.remove(mb)
+    }
+
+    val size: Int get() = synchronized(lock) { items.size }
+    fun ids(): List<Long> = synchronized(lock) { items.keys.toList() }
+
+    /** The first micro-batch not yet queued, counting from [mb] (the resume point). */
+    fun nextAfter(mb: Long): Long = synchronized(lock) { var m = mb; while (items.containsKey(m)) m++; m }
+
+    fun stop() = synchronized(lock) { stopped = true; lock.notifyAll() }
+}

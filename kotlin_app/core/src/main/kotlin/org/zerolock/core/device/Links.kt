@@ -1,0 +1,253 @@
+package org.zerolock.core.device
+
+import org.zerolock.core.InboundQueue
+import org.zerolock.core.LinkRules
+import org.zerolock.core.OutboundLinkState
+import org.zerolock.core.protocol.DeviceAuth
+import org.zerolock.core.protocol.ErrorCode
+import org.zerolock.core.protocol.FrameReader
+import org.zerolock.core.protocol.FrameWriter
+import org.zerolock.core.protocol.Frames
+import org.zerolock.core.protocol.Handshake
+import org.zerolock.core.protocol.Message
+import org.zerolock.core.protocol.Messages
+import org.zerolock.core.protocol.MsgType
+import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.deviceHandshake
+import org.zerolock.core.protocol.hostHandshake
+import java.io.IOException
+import java.net.InetAddress
+import java.net.InetSocketAddress
+import java.net.ServerSocket
+import java.net.Socket
+
+/**
+ * Stage-to-stage hidden-state links over TCP (PROTOCOL.md 5.4.1), the Kotlin twin of
+ * zl_mobile/links.py; the rules themselves are in [OutboundLinkState] and [InboundQueue].
+ *
+ * OutboundLink (upstream side, the TCP client, "host" of the link handshake with the link's token):
+ * keeps every hidden state it produced until the downstream commits the window that used it (or
+ * the buffer passes its replay horizon) and sends them in micro-batch order as the downstream
+ * grants credits. On (re)connection the downstream first says which micro-batch it needs next.
+ */
+class OutboundLink(
+    val name: String,
+    private val token: String,
+    windowSize: Int,
+    replayHorizon: Int,
+    pruneOnCommit: Boolean = true,
+    private val onError: (String) -> Unit = {},
+    private val onCommitted: (Map<String, Any?>) -> Unit = {},
+    private val log: (String) -> Unit = {},
+) : AutoCloseable {
+    private val lock = Object()
+    private val state = OutboundLinkState<Message>(name, windowSize, replayHorizon, pruneOnCommit)
+    private var address: String? = null
+    private var sock: Socket? = null
+    private var stopped = false
+    private var failedAddress: String? = null
+    @Volatile var framesSent: Long = 0
+        private set
+    @Volatile var bytesSent: Long = 0
+        private set
+    val downstreamCommitted: Long get() = synchronized(lock) { state.downstreamCommitted }
+
+    private val thread = Thread({ run() }, "zl-out-$name").also { it.isDaemon = true; it.start() }
+
+    /** Where the downstream's data port is ("host:port"); a new address drops the connection. */
+    fun setAddress(a: String?) = synchronized(lock) {
+        if (a != address) {
+            address = a
+            closeQuietly(sock)
+        }
+        lock.notifyAll()
+    }
+
+    fun publish(m: Message) = synchronized(lock) {
+        state.publish(m.long("micro_batch"), m)
+        lock.notifyAll()
+    }
+
+    fun buffered(): List<Long> = synchronized(lock) { state.buffered() }
+
+    override fun close() {
+        synchronized(lock) { stopped = true; closeQuietly(sock); lock.notifyAll() }
+        thread.join(2000)
+    }
+
+    private fun run() {
+        while (true) {
+            val addr = synchronized(lock) {
+                while (!stopped && address == null) lock.wait()
+                if (stopped) return
+                address!!
+            }
+            val s = Socket()
+            val reader: FrameReader
+            val writer: FrameWriter
+            try {
+                s.connect(InetSocketAddress(addr.substringBeforeLast(':'), addr.substringAfterLast(':').toInt()), 2000)
+                s.tcpNoDelay = true
+                s.soTimeout = Handshake.HANDSHAKE_TIMEOUT_MS
+                reader = FrameReader(s.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
+                writer = FrameWriter(s.getOutputStream().buffered())
+                hostHandshake(reader, writer, token, name)
+                s.soTimeout = 0
+                reader.maxFrame = Frames.DEFAULT_MAX_FRAME
+            } catch (e: Exception) { // I/O, handshake refused, bad address: the neighbour may be restarting
+                closeQuietly(s)
+                if (addr != failedAddress) { failedAddress = addr; log("$name: connecting to $addr failed (${e.message}); retrying") }
+                Thread.sleep(200)
+                continue
+            }
+            failedAddress = null
+            synchronized(lock) {
+                if (stopped || addr != address) { closeQuietly(s); return@synchronized null }
+                sock = s
+                state.connected()
+                s
+            } ?: continue
+            val readerThread = Thread({ read(s, reader) }, "zl-out-read-$name").also { it.isDaemon = true; it.start() }
+            try {
+                sendLoop(s, writer)
+            } catch (e: IOException) {
+                log("$name: link to $addr dropped (${e.message})")
+            } finally {
+                closeQuietly(s)
+                synchronized(lock) {
+                    if (sock === s) { sock = null; state.disconnected() }
+                    lock.notifyAll()
+                }
+                readerThread.join(1000)
+            }
+        }
+    }
+
+    private fun sendLoop(s: Socket, w: FrameWriter) {
+        while (true) {
+            val m = synchronized(lock) {
+                while (!stopped && !s.isClosed && !state.sendable()) lock.wait(500)
+                if (stopped || s.isClosed) return
+                state.takeNext()!!.second
+            }
+            val bytes = Frames.encode(m).size
+            w.write(m)
+            framesSent += 1
+            bytesSent += bytes
+        }
+    }
+
+    private fun read(s: Socket, r: FrameReader) {
+        try {
+            while (true) {
+                val m = r.read()
+                var error: String? = null
+                var committed: Map<String, Any?>? = null
+                synchronized(lock) {
+                    when (m.type) {
+                        MsgType.CREDIT -> state.onCredit(m.long("credits"))
+                        MsgType.REPLAY_REQUEST -> error = state.onReplayRequest(m.long("from_micro_batch"))
+                        MsgType.CHECKPOINT_COMMITTED -> { state.onCommitted(m.long("window")); committed = m.meta }
+                        MsgType.ERROR -> log("$name: downstream error ${m.string("code")}: ${m.string("message")}")
+                        else -> log("$name: ignored ${m.type} from downstream")
+                    }
+                    lock.notifyAll()
+                }
+                error?.let(onError) // never silently skipped
+                committed?.let(onCommitted)
+            }
+        } catch (_: Exception) {
+        } finally {
+            closeQuietly(s)
+            synchronized(lock) { lock.notifyAll() }
+        }
+    }
+}
+
+/**
+ * Downstream side (the TCP server, "device" of the link handshake with the link's token): accepts
+ * one upstream at a time, announces its resume point (REPLAY_REQUEST from [nextNeeded]), grants
+ * the initial credits (inflight_depth - queued), and puts HIDDEN_STATE frames into [queue].
+ */
+class InboundLink(
+    val name: String,
+    token: String,
+    private val queue: InboundQueue<Message>,
+    private val inflightDepth: Int,
+    private val nextNeeded: () -> Long,
+    port: Int = 0,
+    bind: InetAddress? = null,
+    private val log: (String) -> Unit = {},
+) : AutoCloseable {
+    private val auth = DeviceAuth(token, name)
+    private val server = ServerSocket().also { it.reuseAddress = true; it.bind(InetSocketAddress(bind, port)) }
+    val port: Int = server.localPort
+    @Volatile private var writer: FrameWriter? = null
+    @Volatile private var current: Socket? = null
+    @Volatile var bytesReceived: Long = 0
+        private set
+
+    init {
+        Thread({
+            while (!server.isClosed) {
+                val c = try { server.accept() } catch (_: IOException) { break }
+                Thread({ serve(c) }, "zl-in-$name").also { it.isDaemon = true; it.start() }
+            }
+        }, "zl-in-accept-$name").also { it.isDaemon = true; it.start() }
+    }
+
+    private fun serve(sock: Socket) = sock.use { c ->
+        c.tcpNoDelay = true
+        val r = FrameReader(c.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
+        val w = FrameWriter(c.getOutputStream().buffered())
+        c.soTimeout = Handshake.HANDSHAKE_TIMEOUT_MS
+        try {
+            deviceHandshake(r, w, auth, Messages.hello(name, "kotlin-core", 0, listOf("link")))
+        } catch (e: Exception) {
+            log("$name: refused an upstream link: ${e.message}")
+            return@use
+        }
+        c.soTimeout = 0
+        r.maxFrame = Frames.DEFAULT_MAX_FRAME
+        writer = w
+        current = c
+        try {
+            w.write(Message(MsgType.REPLAY_REQUEST, linkedMapOf("from_micro_batch" to nextNeeded(), "to_micro_batch" to LinkRules.NO_END)))
+            LinkRules.initialCredit(inflightDepth, queue.size)?.let { w.write(Messages.credit(it)) }
+            while (true) {
+                val m = r.read()
+                if (m.type != MsgType.HIDDEN_STATE) {
+                    throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} on a hidden-state link; only HIDDEN_STATE is sent downstream")
+                }
+                bytesReceived += m.tensors.values.sumOf { it.data.size.toLong() }
+                queue.put(m.long("micro_batch"), m)
+            }
+        } catch (e: ProtocolException) {
+            log("$name: upstream link error: ${e.message}")
+            try { w.write(e.toMessage()) } catch (_: Exception) {}
+        } catch (_: IOException) {
+        } finally {
+            if (writer === w) { writer = null; current = null }
+            auth.releaseSession()
+        }
+    }
+
+    /** Return [n] credits upstream as queue entries are consumed. */
+    fun grant(n: Long = 1, microBatch: Long? = null) = trySend(Messages.credit(n, microBatch))
+
+    /** Tell the upstream that windows <= [window] are durably used: it may prune them. */
+    fun committed(window: Long, step: Long, sha256: String) =
+        trySend(Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf("window" to window, "step" to step, "sha256" to sha256)))
+
+    private fun trySend(m: Message) {
+        val w = writer ?: return
+        try { w.write(m) } catch (_: IOException) { closeQuietly(current) }
+    }
+
+    override fun close() {
+        try { server.close() } catch (_: IOException) {}
+        closeQuietly(current)
+    }
+}
+
+internal fun closeQuietly(s: Socket?) { try { s?.close() } catch (_: IOException) {} }

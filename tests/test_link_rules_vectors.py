@@ -1,0 +1,193 @@
+"""The link rules of docs/PROTOCOL.md 5.4.1, checked on the Python reference (zl_mobile/links.py)
+against the scenarios of tests/vectors/link_rules/link_rules.json. The Kotlin core passes the same
+file (kotlin_app/core/src/test/kotlin/org/zerolock/core/LinkRulesTest.kt), so both sides keep the
+same replay buffer, resume point, credits and horizon rules.
+
+The Python links are driven over loopback TCP with only their public surface: the test plays the
+downstream stage of an OutboundLink (accepts it, sends REPLAY_REQUEST / CREDIT /
+CHECKPOINT_COMMITTED, reads the HIDDEN_STATE frames), and the upstream of an InboundLink.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zl_mobile.links import NO_END, InboundLink, InboundQueue, OutboundLink
+from zl_mobile.protocol import (DeviceAuth, Message, MsgType, host_handshake, new_token, recv_message,
+                                send_message, device_handshake)
+
+VECTORS = json.loads((Path(__file__).parent / "vectors" / "link_rules" / "link_rules.json").read_text())
+TIMEOUT = 10.0
+
+
+def _hidden(mb: int, window_size: int) -> Message:
+    return Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": mb // window_size},
+                   {"h": np.full((1, 2), mb, dtype=np.float32)})
+
+
+def _wait(what: str, cond) -> None:
+    end = time.time() + TIMEOUT
+    while not cond():
+        if time.time() > end:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.005)
+
+
+class FakeDownstream:
+    """The downstream end of one OutboundLink: a listening socket that plays the device side of
+    the link handshake and then speaks the link messages the scenario asks for."""
+
+    def __init__(self, token: str):
+        self.auth = DeviceAuth(token, "fake-downstream")
+        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.server.bind(("127.0.0.1", 0))
+        self.server.listen(4)
+        self.server.settimeout(TIMEOUT)
+        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
+        self.sock: socket.socket | None = None
+        self.hs = None
+        self.pending: socket.socket | None = None
+
+    def connect(self) -> None:
+        sock = self.pending or self.server.accept()[0]
+        self.pending = None
+        sock.settimeout(TIMEOUT)
+        hello = Message(MsgType.HELLO, {"name": "fake-downstream", "protocol_version": 1, "runtime_version": "test",
+                                        "memory_bytes": 0, "capabilities": ["link"]})
+        self.hs = device_handshake(sock, self.auth, hello)
+        self.sock = sock
+
+    def disconnect(self) -> None:
+        """Drop the connection and wait until the link has noticed (it reconnects at once: its
+        TCP connect is accepted here, its handshake runs at the next `connect`)."""
+        self.quiet()
+        self.sock.close()
+        self.hs.close()
+        self.sock = None
+        self.pending = self.server.accept()[0]
+
+    def send(self, msg: Message) -> None:
+        send_message(self.sock, msg)
+
+    def read_sent(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            msg = recv_message(self.sock)
+            assert msg.type == MsgType.HIDDEN_STATE, msg
+            assert float(np.asarray(msg.tensors["h"]).ravel()[0]) == msg["micro_batch"]
+            out.append(msg["micro_batch"])
+        return out
+
+    def quiet(self) -> None:
+        """Nothing more was sent than the scenario expected."""
+        self.sock.settimeout(0.2)
+        try:
+            extra = recv_message(self.sock)
+            pytest.fail(f"the link sent more than expected: {extra}")
+        except (socket.timeout, TimeoutError):
+            pass
+        finally:
+            self.sock.settimeout(TIMEOUT)
+
+    def close(self) -> None:
+        for s in (self.sock, self.pending, self.server):
+            if s is not None:
+                s.close()
+
+
+@pytest.mark.parametrize("scenario", VECTORS["outbound"], ids=[s["name"] for s in VECTORS["outbound"]])
+def test_outbound_link(scenario):
+    token = new_token()
+    errors: list[str] = []
+    down = FakeDownstream(token)
+    W = scenario["window_size"]
+    link = OutboundLink(scenario["link"], token, window_size=W, replay_horizon=scenario["replay_horizon"],
+                        on_error=errors.append, prune_on_commit=scenario.get("prune_on_commit", True))
+    link.set_address(down.address)
+    expected_errors = []
+    try:
+        for i, step in enumerate(scenario["steps"]):
+            where = f"{scenario['name']}, step {i} {step}"
+            op = step["do"]
+            if op == "publish":
+                for mb in step["mb"]:
+                    link.publish(_hidden(mb, W))
+            elif op == "connect":
+                down.connect()
+            elif op == "disconnect":
+                down.disconnect()
+            elif op == "replay_request":
+                down.send(Message(MsgType.REPLAY_REQUEST, {"from_micro_batch": step["from"], "to_micro_batch": NO_END}))
+            elif op == "credit":
+                down.send(Message(MsgType.CREDIT, {"credits": step["n"]}))
+            elif op == "committed":
+                down.send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": step["window"], "step": step["window"] + 1,
+                                                                 "sha256": "0" * 64}))
+            else:
+                pytest.fail(f"unknown step in {where}")
+            if step.get("sent"):
+                assert down.read_sent(len(step["sent"])) == step["sent"], where
+            if "error" in step:
+                expected_errors.append(step["error"])
+                _wait(f"the error of {where}", lambda: len(errors) >= len(expected_errors))
+                assert errors == expected_errors, where
+            if "buffered" in step:
+                want = step["buffered"]
+                _wait(f"buffered == {want} ({where}; have {link.buffered()})", lambda: link.buffered() == want)
+        if down.sock is not None:
+            down.quiet()
+        assert errors == expected_errors
+    finally:
+        link.close()
+        down.close()
+
+
+@pytest.mark.parametrize("case", VECTORS["inbound"]["greeting"], ids=[c["name"] for c in VECTORS["inbound"]["greeting"]])
+def test_inbound_link_greeting(case):
+    token = new_token()
+    W = case["window_size"]
+    queue = InboundQueue()
+    for mb in case["queued"]:
+        queue.put(_hidden(mb, W))
+    resume = (case["committed_window"] + 1) * W
+    link = InboundLink("stage1-in", token, queue, inflight_depth=case["inflight_depth"],
+                       next_needed=lambda: queue.next_after(resume), port=0, bind="127.0.0.1")
+    try:
+        with socket.create_connection(("127.0.0.1", link.port), timeout=TIMEOUT) as s:
+            host_handshake(s, token, "upstream")
+            req = recv_message(s)
+            assert req.type == MsgType.REPLAY_REQUEST
+            assert (req["from_micro_batch"], req["to_micro_batch"]) == (case["replay_from"], VECTORS["no_end"])
+            if case["initial_credit"] is None:
+                s.settimeout(0.3)
+                with pytest.raises((socket.timeout, TimeoutError)):
+                    recv_message(s)
+            else:
+                credit = recv_message(s)
+                assert credit.type == MsgType.CREDIT and credit["credits"] == case["initial_credit"]
+    finally:
+        link.close()
+
+
+def test_inbound_queue_steps():
+    queue = InboundQueue()
+    for step in VECTORS["inbound"]["queue"]:
+        op, mb = step["do"], step["mb"]
+        if op == "put":
+            queue.put(_hidden(mb, 4))
+        elif op == "take":
+            assert queue.take(mb, timeout=TIMEOUT)["micro_batch"] == step["took"], step
+            assert len(queue) == step["left"], step
+        elif op == "next_after":
+            assert queue.next_after(mb) == step["next"], step
+        else:
+            pytest.fail(f"unknown step {step}")
+
+
+def test_no_end_is_the_protocols():
+    assert NO_END == VECTORS["no_end"] == 2**53
