@@ -29,15 +29,10 @@ def proc_status() -> dict:
 
 
 def pss_bytes() -> int | None:
-    """Proportional set size of this process now, from /proc/self/smaps_rollup (None if absent)."""
-    try:
-        with open("/proc/self/smaps_rollup") as f:
-            for line in f:
-                if line.startswith("Pss:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    """Proportional set size of this process now (None if the kernel does not say)."""
+    from zl_mobile.telemetry import read_pss_bytes
+
+    return read_pss_bytes()
 
 
 def maxrss_bytes() -> int:

@@ -15,10 +15,20 @@ per core (--cpus i --threads 1), then a link sweep with `--rate-mbit` on every p
 limit, Wi-Fi 300, Mobile 100, Constrained 50 Mbit/s). All methods run side by side per link
 setting, in one script run, and ratios ZeroLock / baseline are printed.
 
+Stages and backends: `--stages 3|4` exports (with --make-export) and runs 3 or 4 chunks of two
+layers each (the model gets 2 x stages layers; 2 stages keep the 6-layer model split 0-2,3-5).
+`--backend eager` runs every phone's chunk in eager PyTorch instead of ExecuTorch (zl-phone
+--backend eager; the export must hold the eager weights, which --make-export always writes), for
+a machine whose torch cannot load ExecuTorch 1.5.1; `--torch-device cuda` puts every stage on the
+GPU. `--cores-per-stage C` pins stage i to its own C cores (--cpus, --threads C). Activation memory
+is the ExecuTorch programs' `saved_activation_bytes` with either backend, and PSS does not see
+GPU memory.
+
 Usage:
   python bench/pipeline.py --export DIR --make-export   # export the benchmark model first (~2 min)
   python bench/pipeline.py --export DIR [--windows 4] [--methods zerolock,gpipe,1f1b,pipedream]
         [--sweep-methods zerolock,1f1b,pipedream] [--rates none,300,100,50]
+        [--stages 2|3|4] [--backend executorch|eager] [--torch-device cpu|cuda] [--cores-per-stage C]
 Results: bench/results/pipeline.json; plots bench/results/pipeline_pss.png, pipeline_link.png.
 """
 from __future__ import annotations
@@ -50,7 +60,20 @@ def micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int):
     return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
 
 
-def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, watchdog_s: float = 180.0):
+def chunk_spec(stages: int) -> tuple[str, int]:
+    """(chunk spec, model layers) of the benchmark export for this many stages."""
+    if stages == 2:
+        return "0-2,3-5", 6  # the setting docs/BENCHMARKS.md reports
+    return ",".join(f"{2 * i}-{2 * i + 1}" for i in range(stages)), 2 * stages
+
+
+def stage_cores(i: int, per_stage: int, cores: list[int]) -> list[int]:
+    """Stage i's own cores: the i-th group of `per_stage` (round robin when there are too few)."""
+    return [cores[(i * per_stage + j) % len(cores)] for j in range(per_stage)]
+
+
+def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, watchdog_s: float = 180.0,
+             phone_args=(), cores_per_stage: int = 1):
     """One run. PipeDream's schedule (no flush) runs the next window's warm-up forwards before the
     last backwards of a window, so on the run's last window stage k waits for num_stages-1-k
     inputs that the coordinator never feeds (it feeds windows x window_size) and the run hangs.
@@ -71,7 +94,8 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     cores = sorted(os.sched_getaffinity(0))
 
     def args(i):
-        a = ["--cpus", str(cores[i % len(cores)]), "--threads", "1"]
+        mine = stage_cores(i, cores_per_stage, cores)
+        a = ["--cpus", ",".join(map(str, mine)), "--threads", str(len(mine)), *phone_args]
         return a + (["--rate-mbit", str(rate)] if rate else [])
 
     phones = start_phones(n_phones, root / "phones", prefix=f"pb{os.getpid()}-", per_phone_args=args)
@@ -94,7 +118,7 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
 
 
 def analyse(result, records, chunks, schedule, window_size, micro_batch, windows) -> dict:
-    tel = [r for r in records if r["type"] == "TELEMETRY" and r["window"] < windows]
+    tel = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["window"] < windows]
     stages = sorted({r["stage"] for r in tel})
     per = []
     for k in stages:
@@ -107,7 +131,8 @@ def analyse(result, records, chunks, schedule, window_size, micro_batch, windows
         a1 = rs[-1]
         act = a1["active_s"] - a0["active_s"]
         wait = a1["wait_s"] - a0["wait_s"]
-        per.append({"stage": k, "pss_peak_bytes": max(r.get("pss_peak_bytes") or 0 for r in rs),
+        per.append({"stage": k, "pss_peak_bytes": max(r.get("pss_bytes") or 0 for r in rs),  # read after each step
+                    "rss_peak_bytes": max(r.get("rss_peak_bytes") or 0 for r in rs),  # kernel's VmHWM, inside steps too
                     "pss_median_bytes": sorted(r.get("pss_bytes") or 0 for r in rs)[len(rs) // 2],
                     "held_micro_batches": held, "saved_activation_bytes_per_mb": saved,
                     "activation_bytes": held * saved, "active_fraction": act / (act + wait) if act + wait else None,
@@ -215,24 +240,54 @@ def main(argv=None) -> int:
     ap.add_argument("--sweep-methods", default="zerolock,1f1b,pipedream")
     ap.add_argument("--rates", default="none,300,100,50", help="Mbit/s per phone; 'none' = no limit")
     ap.add_argument("--reps", type=int, default=1, help="repeat everything (interleaved); medians are reported")
+    ap.add_argument("--stages", type=int, choices=[2, 3, 4], default=None,
+                    help="pipeline stages (= chunks of the export; default: the export's); --make-export "
+                         "exports that many (default 2)")
+    ap.add_argument("--backend", choices=["executorch", "eager"], default="executorch",
+                    help="what every phone runs its chunk on (zl-phone --backend)")
+    ap.add_argument("--torch-device", default=None, help="with --backend eager: cpu (default) or cuda")
+    ap.add_argument("--cores-per-stage", type=int, default=1, help="CPU cores pinned to each stage (its threads)")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/pipeline.json")
     a = ap.parse_args(argv)
+    if a.torch_device and a.backend != "eager":
+        ap.error("--torch-device applies to --backend eager only")
+    if a.cores_per_stage < 1:
+        ap.error("--cores-per-stage must be at least 1")
+    from zl_mobile.backends import Backend, BackendError
+    try:  # the check every phone makes at start, made once here
+        Backend.from_args(a.backend, a.torch_device).check_runtime()
+    except BackendError as e:
+        ap.error(str(e))
 
     from exporter.manifest import load_manifest
     from host.plan import RunSettings
 
     if a.make_export:
         from recovery import make_export
-        make_export(a.export, "0-2,3-5", micro_batch=2, modes=("zerolock", "bp"))
+        spec, layers = chunk_spec(a.stages or 2)
+        make_export(a.export, spec, micro_batch=2, modes=("zerolock", "bp"), eager_weights=True, num_layers=layers)
     man = load_manifest(a.export)
     ecfg = man["export"]
     mb_size, seq = ecfg["micro_batch"], ecfg["seq_len"]
     chunks = man["chunks"]
+    if a.stages is not None and a.stages != len(chunks):
+        ap.error(f"--stages {a.stages}, but {a.export} has {len(chunks)} chunks: export {a.stages} "
+                 f"(--make-export --stages {a.stages}) or leave --stages out")
+    if a.backend == "eager" and not all("eager_weights" in c for c in chunks):
+        ap.error(f"--backend eager: {a.export} has no eager weights: re-export with --make-export "
+                 "(or zl-export --eager-weights)")
+    phone_args = ["--backend", a.backend] + (["--torch-device", a.torch_device] if a.torch_device else [])
+    n_cores = len(os.sched_getaffinity(0))
+    if len(chunks) * a.cores_per_stage > n_cores:
+        print(f"warning: {len(chunks)} stages x {a.cores_per_stage} cores > {n_cores} cores here: stages share cores",
+              flush=True)
     methods = a.methods.split(",")
     sweep = a.sweep_methods.split(",")
     rates = [None if r == "none" else float(r) for r in a.rates.split(",")]
     mbs = micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
     stamp = time.strftime("%H%M%S")
+    print(f"{len(chunks)} stages, backend {a.backend}{' on ' + a.torch_device if a.torch_device else ''}, "
+          f"{a.cores_per_stage} core(s) per stage", flush=True)
     runs = []
     for rate, m in [(r, m) for _ in range(a.reps) for r in rates
                     for m in (methods if r is None else [x for x in methods if x in sweep])]:
@@ -241,7 +296,8 @@ def main(argv=None) -> int:
                                    lr=2e-3, schedule=m)
             t = time.time()
             try:
-                res, recs = run_once(a.export, a.work / f"{stamp}-{time.time_ns()}-{m}-{rate}", settings, mbs, len(chunks), rate)
+                res, recs = run_once(a.export, a.work / f"{stamp}-{time.time_ns()}-{m}-{rate}", settings, mbs,
+                                     len(chunks), rate, phone_args=phone_args, cores_per_stage=a.cores_per_stage)
             except Exception as e:
                 print(f"[{m} @ {rate}] FAILED: {e}", flush=True)
                 continue
@@ -254,6 +310,9 @@ def main(argv=None) -> int:
                   f"active {s['active_fraction_mean']:.2f}, held {[p['held_micro_batches'] for p in s['per_stage']]}",
                   flush=True)
 
+    if not runs:
+        print("no run finished: see the FAILED lines above", flush=True)
+        return 1
     raw_runs = runs
     runs = [merge([r for r in raw_runs if r["method"] == m and r["rate_mbit"] == rate])
             for rate in rates for m in methods if any(r["method"] == m and r["rate_mbit"] == rate for r in raw_runs)]
@@ -298,6 +357,7 @@ def main(argv=None) -> int:
                 f"{get('zerolock', r)['throughput_sps'] / get(m, r)['throughput_sps']:.2f}x"
                 if get("zerolock", r) and get(m, r) else "-" for r in rates) + " |")
 
+    a.out.parent.mkdir(parents=True, exist_ok=True)
     pics = plots(a.out.parent, runs, methods, sweep, rates)
     out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
            "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in chunks],
@@ -305,7 +365,9 @@ def main(argv=None) -> int:
                                       "bp": [c["bp"]["saved_activation_bytes"] for c in chunks if "bp" in c]},
            "settings": {"windows": a.windows, "window_size": a.window_size, "micro_batch": mb_size, "seq_len": seq,
                         "b_samples_per_step": a.window_size * mb_size, "m_micro_batches_per_step": a.window_size,
-                        "inflight_depth": a.inflight_depth, "phones": "one per core, --threads 1"},
+                        "inflight_depth": a.inflight_depth, "stages": len(chunks), "backend": a.backend,
+                        "torch_device": a.torch_device, "cores_per_stage": a.cores_per_stage,
+                        "phones": f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}"},
            "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios, "throughput_vs_link": sweep_tab,
            "rates_mbit": rates, "plots": pics}
     a.out.parent.mkdir(parents=True, exist_ok=True)

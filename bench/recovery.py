@@ -45,10 +45,12 @@ BENCH_MODEL = dict(num_hidden_layers=6, hidden_size=512, intermediate_size=1376,
                    num_key_value_heads=4)
 
 
-def make_export(out: Path, chunks: str, micro_batch: int, modes=("zerolock",), seq_len: int = 128) -> Path:
-    """The benchmarks' model: a random-init 6-layer Llama (BENCH_MODEL, torch seed 7) with the
-    repo's tiny tokenizer, exported with XNNPACK. Recovery: chunks "0-1,2-3,4-5", micro_batch 1;
-    pipeline: chunks "0-2,3-5", micro_batch 2, modes ("zerolock", "bp")."""
+def make_export(out: Path, chunks: str, micro_batch: int, modes=("zerolock",), seq_len: int = 128,
+                eager_weights: bool = False, num_layers: int | None = None) -> Path:
+    """The benchmarks' model: a random-init 6-layer Llama (BENCH_MODEL, torch seed 7; `num_layers`
+    overrides the depth) with the repo's tiny tokenizer, exported with XNNPACK. Recovery: chunks
+    "0-1,2-3,4-5", micro_batch 1; pipeline: chunks "0-2,3-5", micro_batch 2, modes ("zerolock", "bp").
+    `eager_weights`: also the files the eager backend reads (zl-export --eager-weights)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -58,14 +60,15 @@ def make_export(out: Path, chunks: str, micro_batch: int, modes=("zerolock",), s
     from exporter.tiny_tokenizer import build_tiny_tokenizer
 
     out = Path(out)
-    model_dir = out.parent / (out.name + "-model")
+    layers = num_layers or BENCH_MODEL["num_hidden_layers"]
+    model_dir = out.parent / (out.name + "-model" + ("" if layers == BENCH_MODEL["num_hidden_layers"] else f"-{layers}l"))
     if not (model_dir / "config.json").exists():
         torch.manual_seed(7)
-        LlamaForCausalLM(llama_config(**BENCH_MODEL)).save_pretrained(model_dir)
+        LlamaForCausalLM(llama_config(**{**BENCH_MODEL, "num_hidden_layers": layers})).save_pretrained(model_dir)
         build_tiny_tokenizer().save_pretrained(model_dir)
     cfg = ExportConfig(lora_rank=8, lora_alpha=16.0, seq_len=seq_len, micro_batch=micro_batch, backend="xnnpack")
     t = time.time()
-    export_model(str(model_dir), chunks, out, cfg, progress=print, modes=tuple(modes))
+    export_model(str(model_dir), chunks, out, cfg, progress=print, modes=tuple(modes), eager_weights=eager_weights)
     print(f"export: {time.time() - t:.0f} s -> {out}", flush=True)
     return out
 
@@ -137,7 +140,7 @@ def received_bytes(records) -> int:
     after its last telemetry."""
     total = 0
     for k in sorted({r["stage"] for r in records if r["type"] == "TELEMETRY"}):
-        seq = [r.get("bytes_in", 0) for r in records if r["type"] == "TELEMETRY" and r["stage"] == k]
+        seq = [r.get("bytes_in", 0) for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["stage"] == k]
         last = 0
         for b in seq:
             if b < last:
@@ -153,7 +156,7 @@ def caught_up_from_records(records, rec) -> float | None:
     need = set(rec["stages"])
     seen = set()
     for r in records:
-        if r["type"] == "TELEMETRY" and r["t"] >= rec["rejoined"] and r["stage"] in need and r["micro_batch"] >= rec["frontier"]:
+        if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["t"] >= rec["rejoined"] and r["stage"] in need and r["micro_batch"] >= rec["frontier"]:
             seen.add(r["stage"])
             if seen == need:
                 return r["t"]
@@ -187,7 +190,7 @@ def summarize(result: dict, base: dict | None) -> dict:
     commits = [(r["stage"], r["window"]) for r in result["records"] if r["type"] == "CHECKPOINT_COMMITTED"]
     out["commits"] = len(commits)
     out["recommitted_windows"] = len(commits) - len(set(commits))
-    mbs_done = [(r["stage"], r["micro_batch"]) for r in result["records"] if r["type"] == "TELEMETRY"]
+    mbs_done = [(r["stage"], r["micro_batch"]) for r in result["records"] if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
     out["micro_batch_steps"] = len(mbs_done)
     out["recomputed_micro_batch_steps"] = len(mbs_done) - len(set(mbs_done))
     return out

@@ -50,13 +50,15 @@ def peft_name(local_name: str, first_layer: int) -> str:
 
 
 class ChunkModel(nn.Module):
-    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig):
+    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, layer_offset: int = 0):
+        """`layer_offset`: the global index of peft_model's first layer (0 for the whole model; the
+        eager runtime builds a model holding only layers first..last, so it passes `first`)."""
         super().__init__()
         base = peft_model.base_model.model  # LlamaForCausalLM with LoRA layers injected
         self.first, self.last = first, last
         self.is_first = first == 0
         self.embed = base.model.embed_tokens if self.is_first else None
-        self.layers = nn.ModuleList(base.model.layers[first:last + 1])
+        self.layers = nn.ModuleList(base.model.layers[first - layer_offset:last - layer_offset + 1])
         self.rotary = base.model.rotary_emb
         self.norm = base.model.norm
         self.lm_head = base.lm_head
@@ -143,8 +145,8 @@ class BPChunkModel(ChunkModel):
     dL/dh_{k-1}, the gradient the previous stage needs (the joint trace gives parameter
     gradients only). The marker after the layers splits forward (phase1) from backward (phase2)."""
 
-    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, is_last: bool):
-        super().__init__(peft_model, first, last, cfg)
+    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, is_last: bool, layer_offset: int = 0):
+        super().__init__(peft_model, first, last, cfg, layer_offset)
         self.is_last = is_last
         if not is_last:  # only the last stage owns the readout
             self.norm = None

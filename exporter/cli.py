@@ -30,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="programs to write per chunk: zerolock (chunk_k.pte, local-loss training), bp "
                         "(chunk_k_bp.pte, a back-propagation pipeline stage for the GPipe/1F1B/PipeDream "
                         "baselines; same chunks and LoRA), or both (default %(default)s)")
+    p.add_argument("--eager-weights", action="store_true",
+                   help="also write each chunk's frozen weights as chunk_k_weights.safetensors, for phones that run "
+                        "the chunk in eager PyTorch instead of ExecuTorch (zl-phone --backend eager)")
     p.add_argument("--verify", action="store_true", help="run every program in ExecuTorch and compare with eager PyTorch")
     return p
 
@@ -65,13 +68,17 @@ def main(argv=None) -> int:
             console.print(f"[dim]{time.time() - t0:6.1f}s[/] {msg}")
 
         modes = ("zerolock", "bp") if args.mode == "both" else (args.mode,)
-        manifest, artifacts = export_model(args.model, args.chunks, args.out, cfg, progress=progress, modes=modes)
+        manifest, artifacts = export_model(args.model, args.chunks, args.out, cfg, progress=progress, modes=modes,
+                                           eager_weights=args.eager_weights)
         sizes = {f["path"]: f["size"] for f in manifest["files"]}
         for c in manifest["chunks"]:
             for p in ([c] if "program" in c else []) + ([c["bp"]] if "bp" in c else []):
                 progress(f"chunk {c['index']} (layers {c['layers'][0]}-{c['layers'][1]}): {p['program']} "
                          f"{sizes[p['program']] / 2**20:.1f} MiB, {p['weights']} {sizes[p['weights']] / 2**20:.1f} MiB, "
                          f"saved activations {p['saved_activation_bytes'] / 2**20:.1f} MiB")
+            if "eager_weights" in c:
+                progress(f"chunk {c['index']}: {c['eager_weights']} {sizes[c['eager_weights']] / 2**20:.1f} MiB "
+                         "(frozen weights for zl-phone --backend eager)")
         if args.verify:
             from .verify import verify_all
 

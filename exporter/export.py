@@ -9,6 +9,7 @@ Writes into a temporary sibling directory and renames it into place at the end, 
 interrupted export never leaves something that looks complete."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -26,6 +27,7 @@ from .chunk_spec import parse_chunk_spec
 from .config import ExportConfig
 from .errors import OutputDirError
 from .lower import joint_program, lower_two_phase
+from .training_metadata import training_constant_methods
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, MODES, file_entry, ptd_contents, tensor_desc,
                        write_manifest)
 from .model_source import load_model_dir, weights_sha256, write_tiny_model_dir
@@ -89,9 +91,11 @@ def commit_out_dir(tmp: Path, out: Path) -> None:
 
 
 def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig, progress=None,
-                 model=None, modes=("zerolock",)) -> tuple[dict, list[ChunkArtifacts]]:
+                 model=None, modes=("zerolock",), eager_weights: bool = False) -> tuple[dict, list[ChunkArtifacts]]:
     """Run the whole export. `model` may be given directly (tests); otherwise `model_arg` is
     'tiny' or a HF Llama directory. `modes`: which programs to write, any of "zerolock", "bp".
+    `eager_weights`: also write each chunk's frozen weights as chunk_k_weights.safetensors, for
+    phones that run the chunk in eager PyTorch (zl-phone --backend eager).
     Returns (manifest, per-chunk artifacts)."""
     say = progress or (lambda msg: None)
     if not modes or set(modes) - set(MODES):
@@ -118,6 +122,9 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         model_ref["config"] = {k: getattr(hf_cfg, k) for k in (
             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rms_norm_eps")}
+        # the whole HF config: what the eager backend rebuilds the chunk's layers from
+        model_ref["hf_config"] = json.loads(hf_cfg.to_json_string(use_diff=False))
+        model_ref["hf_config"].pop("_name_or_path", None)  # where it was loaded from: "path" above
         if model_dir is not None:
             _copy_tokenizer(model_dir, tmp / "tokenizer")
 
@@ -136,6 +143,9 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
                 bp_chunk = BPChunkModel(peft_model, first, last, cfg, is_last=k == len(ranges) - 1).eval()
                 entry["bp"] = _export_bp_chunk(k, bp_chunk, cfg, hf_cfg, tmp, say)
             entry.update(_write_lora_init(k, chunk or bp_chunk, tmp))
+            if eager_weights:
+                say(f"chunk {k}: writing the frozen weights for the eager backend")
+                entry["eager_weights"] = _write_eager_weights(k, peft_model.base_model.model, first, last, tmp)
             entry["export_seconds"] = round(time.time() - t0, 2)
             results.append(ChunkArtifacts(k, first, last, chunk, entry, bp_chunk))
             say(f"chunk {k}: done in {time.time() - t0:.1f} s")
@@ -168,10 +178,11 @@ def _copy_tokenizer(model_dir: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
-def _lower_and_write(split, cfg: ExportConfig, tmp: Path, stem: str, say, k: int) -> Path:
-    """Lower both phases into tmp/{stem}.pte with frozen weights in tmp/{stem}.ptd."""
+def _lower_and_write(split, cfg: ExportConfig, tmp: Path, stem: str, say, k: int, methods: dict) -> Path:
+    """Lower both phases into tmp/{stem}.pte with frozen weights in tmp/{stem}.ptd, plus the
+    metadata methods Android's TrainingModule reads (`methods`: the manifest's description)."""
     say(f"chunk {k}: lowering {stem} ({cfg.backend})")
-    et = lower_two_phase(split, cfg.backend, stem)
+    et = lower_two_phase(split, cfg.backend, stem, training_constant_methods(methods))
     (tmp / f"{stem}.pte").write_bytes(et.buffer)
     et.write_tensor_data_to_file(str(tmp))
     ptd = tmp / f"{stem}.ptd"
@@ -211,15 +222,37 @@ def _write_lora_init(k: int, chunk: ChunkModel, tmp: Path) -> dict:
     return {"lora_init": init.name, "lora": [tensor_desc(to_global[n], p) for n, p in lora.items()]}
 
 
+EAGER_WEIGHTS_FORMAT = "zerolock-eager-weights"
+
+
+def _write_eager_weights(k: int, base, first: int, last: int, tmp: Path) -> str:
+    """chunk_k_weights.safetensors: the chunk's frozen weights under the Hugging Face model's own
+    names (model.layers.first..last, the readout model.norm + lm_head, and model.embed_tokens for
+    chunk 0), for the eager PyTorch backend, which cannot read ExecuTorch's .ptd."""
+    keep = tuple(f"model.layers.{i}." for i in range(first, last + 1)) + ("model.norm.", "lm_head.")
+    if first == 0:
+        keep += ("model.embed_tokens.",)
+    tensors = {}
+    for name, t in base.state_dict().items():
+        if "lora_" in name:
+            continue
+        name = name.replace(".base_layer.", ".")  # peft's wrapper around a LoRA-targeted Linear
+        if name.startswith(keep):
+            tensors[name] = t.detach().contiguous().clone()  # clone: tied embeddings share storage
+    path = tmp / f"chunk_{k}_weights.safetensors"
+    save_file(tensors, str(path), metadata={"format": EAGER_WEIGHTS_FORMAT, "layers": f"{first}-{last}"})
+    return path.name
+
+
 def _export_chunk(k: int, chunk: ChunkModel, cfg: ExportConfig, hf_cfg, tmp: Path, say) -> dict:
     inputs = example_inputs(chunk, cfg, hf_cfg.vocab_size, hf_cfg.hidden_size)
     names = input_names(chunk.is_first)
     split = split_at_marker(joint_program(chunk, inputs), names)
-    ptd = _lower_and_write(split, cfg, tmp, f"chunk_{k}", say, k)
     rename = _global_names(chunk)
+    methods = {"phase1": _describe(split.phase1, rename), "phase2": _describe(split.phase2, rename)}
+    ptd = _lower_and_write(split, cfg, tmp, f"chunk_{k}", say, k, methods)
     return {
-        "first_input": names[0], "program": f"chunk_{k}.pte", "weights": ptd.name,
-        "methods": {"phase1": _describe(split.phase1, rename), "phase2": _describe(split.phase2, rename)},
+        "first_input": names[0], "program": f"chunk_{k}.pte", "weights": ptd.name, "methods": methods,
         "saved_activation_bytes": split.saved_bytes, "saved_activation_count": split.info["n_saved"],
     }
 
@@ -232,15 +265,16 @@ def _export_bp_chunk(k: int, chunk: BPChunkModel, cfg: ExportConfig, hf_cfg, tmp
     names = bp_input_names(chunk.is_first, chunk.is_last)
     split = split_at_marker(joint_program(chunk, inputs), names, ("loss",) if chunk.is_last else ())
     stem = f"chunk_{k}_bp"
-    ptd = _lower_and_write(split, cfg, tmp, stem, say, k)
+    rename = _global_names(chunk)
+    methods = {"phase1": _describe(split.phase1, rename), "phase2": _describe(split.phase2, rename)}
+    ptd = _lower_and_write(split, cfg, tmp, stem, say, k, methods)
     shared = tmp / f"chunk_{k}.ptd"
     if shared.is_file() and _ptd_covers(shared, ptd):
         ptd.unlink()
         ptd = shared
-    rename = _global_names(chunk)
     return {
         "first_input": names[0], "last": chunk.is_last, "program": f"{stem}.pte", "weights": ptd.name,
-        "methods": {"phase1": _describe(split.phase1, rename), "phase2": _describe(split.phase2, rename)},
+        "methods": methods,
         "saved_activation_bytes": split.saved_bytes, "saved_activation_count": split.info["n_saved"],
     }
 

@@ -70,9 +70,10 @@ def xnnpack_partitioner():
                               force_non_static_weights_for_f32_linear=True)
 
 
-def lower_two_phase(split: SplitResult, backend: str, data_tag: str):
+def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_methods: dict | None = None):
     """Return an ExecutorchProgramManager with methods phase1 and phase2; frozen weights are
-    external constants tagged `data_tag` (one .ptd for the chunk's weights + readout)."""
+    external constants tagged `data_tag` (one .ptd for the chunk's weights + readout);
+    `constant_methods` (name -> value) are added as methods that return that value."""
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
 
     methods = {"phase1": split.phase1.program, "phase2": split.phase2.program}
@@ -82,9 +83,10 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str):
         fold_weight_transposes(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
-        edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner()], compile_config=edge_cfg)
+        edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner()], compile_config=edge_cfg,
+                                           constant_methods=constant_methods)
     elif backend == "portable":
-        edge = to_edge(methods, compile_config=edge_cfg)
+        edge = to_edge(methods, compile_config=edge_cfg, constant_methods=constant_methods)
     else:
         raise ValueError(f"unknown backend {backend!r}: use xnnpack or portable")
     return edge.to_executorch(ExecutorchBackendConfig(external_constants=lambda node: data_tag))

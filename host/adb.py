@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import socket
 import subprocess
@@ -164,35 +165,126 @@ def adb_status(*, host: str = DEFAULT_HOST, port: int | None = None,
 
 # ------------------------------------------------------------------ device commands
 
+class AdbCommandError(RuntimeError):
+    """An adb request to one phone failed (one line: what failed, on which phone, what to do)."""
+
+
 _PACKAGE = re.compile(r"^[A-Za-z0-9_.:]+$")
+_SHA256 = re.compile(r"^([0-9a-f]{64})\s", re.M)
 
 
 def _device(serial: str, host: str, port: int | None):
     return _client(host, port).device(serial)
 
 
+def _adb_call(serial: str, what: str, fn, *args, **kwargs):
+    """Run one adbutils call; its errors become AdbCommandError naming the phone and the step."""
+    import adbutils
+
+    try:
+        return fn(*args, **kwargs)
+    except (adbutils.AdbError, OSError) as e:
+        detail = " ".join(str(e).split()) or type(e).__name__
+        raise AdbCommandError(f"adb {what} on {serial} failed: {detail}; check 'adb devices' "
+                              f"lists {serial} as 'device'") from None
+
+
 def push(serial: str, local: str, remote: str, *, host: str = DEFAULT_HOST,
-         port: int | None = None) -> None:
-    """Copy a local file to ``remote`` on the phone (adb push)."""
+         port: int | None = None) -> int:
+    """Copy a local file to ``remote`` (a file path) on the phone (adb push); returns the bytes
+    sent."""
     if not os.path.isfile(local):
         raise FileNotFoundError(f"push: local file not found: {local}")
-    _device(serial, host, port).push(local, remote)
+    dev = _device(serial, host, port)
+    return _adb_call(serial, f"push {os.path.basename(local)} to {remote}", dev.sync.push,
+                     local, remote, 0o644, True)
 
 
 def forward(serial: str, local_port: int, remote_port: int, *, host: str = DEFAULT_HOST,
             port: int | None = None) -> int:
-    """Forward host tcp:local_port to the phone's tcp:remote_port; 0 picks a free local port.
-    Returns the local port."""
+    """Forward host tcp:local_port to the phone's tcp:remote_port (``adb forward``); 0 picks a
+    free local port. Returns the local port. Always a new forward: one the user made stays."""
     dev = _device(serial, host, port)
     if local_port == 0:
-        return dev.forward_port(remote_port)
-    dev.forward(f"tcp:{local_port}", f"tcp:{remote_port}")
+        local_port = _free_local_port()
+    _adb_call(serial, f"forward tcp:{local_port} tcp:{remote_port}", dev.forward,
+              f"tcp:{local_port}", f"tcp:{remote_port}")
     return local_port
 
 
-def shell(serial: str, args: list[str], *, host: str = DEFAULT_HOST, port: int | None = None,
+def forward_remove(serial: str, local_port: int, *, host: str = DEFAULT_HOST,
+                   port: int | None = None) -> None:
+    dev = _device(serial, host, port)
+    _adb_call(serial, f"forward --remove tcp:{local_port}", dev.forward_remove,
+              f"tcp:{local_port}", raise_non_found=False)
+
+
+def forward_list(serial: str, *, host: str = DEFAULT_HOST, port: int | None = None) -> list[tuple[str, str]]:
+    """(local, remote) of the host-side forwards to this phone, e.g. ("tcp:40001", "tcp:47474")."""
+    items = _adb_call(serial, "forward --list", _client(host, port).forward_list)
+    return [(f.local, f.remote) for f in items if f.serial == serial]
+
+
+def reverse(serial: str, device_port: int, host_port: int, *, host: str = DEFAULT_HOST,
+            port: int | None = None) -> int:
+    """``adb reverse tcp:device_port tcp:host_port``: connections to 127.0.0.1:device_port on
+    the phone reach 127.0.0.1:host_port on this machine. device_port 0 lets adbd pick one.
+    Returns the phone-side port."""
+    dev = _device(serial, host, port)
+
+    def request() -> int:
+        with dev.open_transport() as c:
+            c.send_command(f"reverse:forward:tcp:{device_port};tcp:{host_port}")
+            c.check_okay()           # the adb server reached the phone
+            c.check_okay()           # adbd installed the listener
+            return int(c.read_string_block()) if device_port == 0 else device_port
+
+    return _adb_call(serial, f"reverse tcp:{device_port} tcp:{host_port}", request)
+
+
+def reverse_remove(serial: str, device_port: int, *, host: str = DEFAULT_HOST,
+                   port: int | None = None) -> None:
+    dev = _device(serial, host, port)
+    _adb_call(serial, f"reverse --remove tcp:{device_port}", dev.reverse_remove, f"tcp:{device_port}")
+
+
+def reverse_list(serial: str, *, host: str = DEFAULT_HOST, port: int | None = None) -> list[tuple[str, str]]:
+    """(phone side, host side) of the phone's reverse forwards."""
+    dev = _device(serial, host, port)
+    return [(r.remote, r.local) for r in _adb_call(serial, "reverse --list", dev.reverse_list)]
+
+
+def _free_local_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shell(serial: str, args: list[str] | str, *, host: str = DEFAULT_HOST, port: int | None = None,
           timeout: float = 30) -> str:
-    return _device(serial, host, port).shell(args, timeout=timeout)
+    dev = _device(serial, host, port)
+    return _adb_call(serial, "shell", dev.shell, args, timeout=timeout)
+
+
+def shell_rc(serial: str, args: list[str] | str, *, host: str = DEFAULT_HOST,
+             port: int | None = None, timeout: float = 30) -> tuple[int, str]:
+    """Run a shell command; (exit status, stdout+stderr). Works on adbd without shell v2."""
+    command = " ".join(shlex.quote(a) for a in args) if isinstance(args, (list, tuple)) else args
+    dev = _device(serial, host, port)  # a subshell, so that an 'exit' in it still reports its status
+    r = _adb_call(serial, "shell", dev.shell2, f"({command})", timeout=timeout)
+    return r.returncode, r.output
+
+
+def parse_sha256sum(text: str) -> str | None:
+    """The digest from ``sha256sum FILE`` output; None when the file is absent."""
+    m = _SHA256.search(text + " ")
+    return m.group(1) if m else None
+
+
+def read_mem_total_bytes(serial: str, **kw) -> int:
+    """The phone's RAM (MemTotal of /proc/meminfo); 0 if unreadable."""
+    m = re.search(r"^MemTotal:\s+(\d+)\s*kB", shell(serial, ["cat", "/proc/meminfo"], **kw), re.M)
+    return int(m.group(1)) * 1024 if m else 0
 
 
 def read_pss_kib(serial: str, package: str, **kw) -> int:

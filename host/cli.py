@@ -29,6 +29,11 @@ def cmd_devices(a) -> int:
         print("no devices found. Looked at: " + "; ".join(notes))
         return 0
     for f in found:
+        if f.source == "adb":  # the app's port is reached through adb forward during a run
+            hint = "" if f.ready else ("  (accept the USB debugging prompt on the phone)" if f.state == "unauthorized"
+                                       else "  (not usable until adb lists it as 'device')")
+            print(f"{f.name:16} adb   {'usb, ' + f.state:22} {f.model or 'model unknown':22}{hint}")
+            continue
         print(f"{f.name:16} {f.source:5} {f.endpoint or f.serial or '-':22} proto {f.protocol or '?'}  "
               f"{f.runtime:16} {f.memory_bytes / 2**30:.1f} GiB")
     print("looked at: " + "; ".join(notes))
@@ -147,6 +152,7 @@ def cmd_run(a) -> int:
     k = len(manifest["chunks"])
 
     phones = []
+    links = None
     if devices_spec.startswith("emulated:"):
         from .emulate import EmulatedPhone, start_phones
 
@@ -161,20 +167,28 @@ def cmd_run(a) -> int:
             phones = start_phones(n, run_dir / "phones")
         handles = [p.handle() for p in phones]
     else:
+        from .adb_wiring import AdbLinks
         from .devices import DeviceLookupError, load_tokens, resolve
 
+        adb_events: list = []  # the live view does not exist yet when the control ports are forwarded
+        links = AdbLinks(data_port=a.adb_data_port, staging_dir=a.adb_staging,
+                         on_event=lambda kind, data: adb_events[-1](kind, data) if adb_events else None)
         try:
-            handles = resolve(devices_spec, k, load_tokens(a.tokens), a.wait, a.mdns)
+            handles = resolve(devices_spec, k, load_tokens(a.tokens), a.wait, a.mdns, links=links)
         except DeviceLookupError as e:
+            links.close()
             raise CliError(str(e)) from None
     from rich.live import Live
 
     from .live import LiveView
 
     view = LiveView(k, settings.micro_batches, manifest["export"]["micro_batch"])
+    if links is not None:
+        adb_events.append(view.on_event)
+    co = None
     try:
         co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=view.on_event,
-                         link_tokens=saved.get("link_tokens") if a.resume else None)
+                         link_tokens=saved.get("link_tokens") if a.resume else None, links=links)
         record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
                   "settings": settings.to_json(), "link_tokens": co.link_tokens,
                   "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
@@ -183,13 +197,22 @@ def cmd_run(a) -> int:
         tmp.write_text(json.dumps(record, indent=2))
         tmp.chmod(0o600)  # holds pairing tokens
         tmp.replace(run_dir / "run.json")
-        with Live(view, console=console, refresh_per_second=4, transient=False):
-            result = co.run()
+        try:
+            with Live(view, console=console, refresh_per_second=4, transient=False):
+                result = co.run()
+        finally:
+            if not console.is_terminal:  # rich leaves the last table line open when not on a terminal
+                console.line()
     except (PlanError, RunError) as e:
         raise CliError(str(e)) from None
     finally:
         for p in phones:
             p.stop()
+        if links is not None:  # remove the adb forwards and reverses this run made
+            if co is not None:
+                co.stop_sampling()
+            for problem in links.close():
+                console.print(f"zl-host: warning: {problem}", markup=False)
     base = base_model_path(program, manifest)
     adapter_dir = write_peft_adapter(result["lora"], manifest, run_dir / "adapter", base)
     rows = settings.micro_batches * manifest["export"]["micro_batch"]
@@ -259,6 +282,11 @@ def build_parser():
     r.add_argument("--tokens", default=None, help="JSON file NAME -> pairing token")
     r.add_argument("--wait", type=float, default=30.0, help="seconds to wait for enough devices")
     r.add_argument("--mdns", default="loopback", help="interfaces to browse: loopback, all, or an IPv4 address")
+    r.add_argument("--adb-data-port", type=int, default=47475,
+                   help="port an adb phone's stage listens on for its upstream link (forwarded by the host; "
+                        "0: the phone picks one and reports it)")
+    r.add_argument("--adb-staging", default="/data/local/tmp/zerolock",
+                   help="phone dir adb pushes into before run-as copies into the app's files")
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
     r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")

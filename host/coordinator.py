@@ -14,6 +14,7 @@ from typing import Callable
 import numpy as np
 
 from exporter.manifest import load_manifest
+from zl_mobile.backends import EAGER_CAPABILITY
 from zl_mobile.links import OutboundLink
 from zl_mobile.protocol import Message, MsgType
 
@@ -35,6 +36,7 @@ class DeviceHandle:
     token: str
     memory_bytes: int = 0
     restart: Callable[[], str] | None = None  # returns the new endpoint
+    serial: str | None = None  # set for phones reached over adb (USB): endpoint is an adb forward
 
 
 @dataclass
@@ -54,7 +56,7 @@ class StageState:
 class Coordinator:
     def __init__(self, export_dir: Path, devices: list[DeviceHandle], micro_batches: list[dict],
                  settings: RunSettings, run_dir: Path, run_id: str | None = None, on_event=None,
-                 link_tokens: list[str] | None = None):
+                 link_tokens: list[str] | None = None, links=None):
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
         self.chunks = self.manifest["chunks"]
@@ -76,10 +78,21 @@ class Coordinator:
         self.errors: list[str] = []
         self.recoveries: list[dict] = []
         self.started = time.time()
+        # adb phones (host.adb_wiring.AdbLinks): forwards, reverses, adb push, dumpsys sampling
+        self.links = links
+        self.sampler = None
 
     # ---- setup
     def _connect(self, st: StageState) -> None:
-        st.client = DeviceClient(st.device.name, st.device.endpoint, st.device.token, self.events)
+        try:
+            st.client = DeviceClient(st.device.name, st.device.endpoint, st.device.token, self.events)
+        except OSError as e:  # ConnectionClosed too
+            if st.device.serial is None:
+                raise
+            # an adb forward accepts the connection even when nothing listens on the phone
+            raise DeviceError(f"{st.device.name} (adb {st.device.serial}): nothing answered on the app's port "
+                              f"through adb forward {st.device.endpoint} ({type(e).__name__}: {e}); open ZeroLock on "
+                              "the phone and tap Start serving") from None
         if st.client.hello["protocol_version"] != 1:
             raise RunError(f"{st.device.name} speaks protocol {st.client.hello['protocol_version']}, this host 1: "
                            "update the app or zl_mobile on the device")
@@ -94,11 +107,37 @@ class Coordinator:
             if "bp" not in chunk:
                 raise RunError(f"schedule {self.settings.schedule} needs BP programs: export with zl-export --mode both")
             chunk = {**chunk, **chunk["bp"]}
-        for rel, kind in (("manifest.json", "manifest"), (chunk["program"], "program"),
-                          (chunk["weights"], "weights"), (chunk["lora_init"], "other")):
+        if EAGER_CAPABILITY in (st.client.hello.get("capabilities") or []):  # runs the chunk in eager PyTorch
+            runtime = [(chunk["eager_weights"], "weights")] if "eager_weights" in chunk else []  # else it says: re-export
+        else:
+            runtime = [(chunk["program"], "program"), (chunk["weights"], "weights")]
+        for rel, kind in [("manifest.json", "manifest"), *runtime, (chunk["lora_init"], "other")]:
             sha = self.files[rel]["sha256"] if rel in self.files else _sha(self.export_dir / rel)
-            sent = st.client.push_file(self.export_dir / rel, kind, sha)
-            self.on_event("push", {"stage": st.k, "device": st.device.name, "file": rel, "sent": sent})
+            sent, via = None, "protocol"
+            if st.device.serial is not None and self.links is not None:
+                from .adb import AdbCommandError
+                from .adb_wiring import AdbPushUnavailable
+                try:
+                    sent, via = self.links.push(st.device.serial, self.export_dir / rel, sha), "adb"
+                except AdbPushUnavailable as e:
+                    if rel == "manifest.json":  # once per stage: say why the slower path is used
+                        self.on_event("adb_push_fallback", {"stage": st.k, "device": st.device.name, "why": str(e)})
+                except AdbCommandError as e:
+                    raise RunError(f"stage {st.k}: {e}") from None
+            if sent is None:
+                sent = st.client.push_file(self.export_dir / rel, kind, sha)
+            self.on_event("push", {"stage": st.k, "device": st.device.name, "file": rel, "sent": sent, "via": via})
+
+    def _address(self, up: StageState | None, down: StageState) -> str:
+        """Where ``up`` (None: the host's feed) connects to reach ``down``'s data port."""
+        if self.links is None:
+            return f"{down.client.address}:{down.data_port}"
+        from .adb import AdbCommandError
+        from .adb_wiring import WiringError
+        try:
+            return self.links.address(up.device if up else None, down.device, down.client.address, down.data_port)
+        except (WiringError, AdbCommandError) as e:
+            raise RunError(str(e)) from None
 
     def _assign(self, st: StageState, rollback_to: int | None = None) -> None:
         s = self.settings
@@ -115,7 +154,7 @@ class Coordinator:
         st.meta = {
             "run_id": self.run_id, "stage": st.k, "num_stages": len(self.stages),
             "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
-            "downstream": f"{nxt.client.address}:{nxt.data_port}" if nxt else None,
+            "downstream": self._address(st, nxt) if nxt else None,
             "program_sha256": self.files[self._entry(st.k)["program"]]["sha256"],
             "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": s.horizon,
             "buffer_capacity": s.inflight_depth, "schedule": s.schedule,
@@ -123,16 +162,25 @@ class Coordinator:
         }
         if nxt:
             st.meta["downstream_token"] = self.link_tokens[st.k + 1]
+        listen = self.links.listen_port(st.device) if self.links is not None else None
+        if listen is not None:
+            st.meta["listen_port"] = listen
         meta = st.meta
         if rollback_to is not None:
             meta = {**meta, "config": {**conf, "restart": True, "rollback_to_window": rollback_to}}
         ack = st.client.assign(meta)
-        st.data_port = ack["data_port"]
+        st.data_port = ack.get("data_port") or listen
+        if not st.data_port:
+            raise RunError(f"{st.device.name} did not say which port its stage listens on (no data_port in the "
+                           "STAGE_ASSIGN ACK): update the app on the phone")
         st.committed = ack.get("committed_window", -1)
 
     def setup(self) -> None:
         for st in self.stages:
-            self._connect(st)
+            try:
+                self._connect(st)
+            except DeviceError as e:
+                raise RunError(str(e)) from None
             self.on_event("connected", {"stage": st.k, "device": st.device.name, "hello": st.client.hello.meta})
         for st in self.stages:
             self._push(st)
@@ -142,7 +190,16 @@ class Coordinator:
                                    replay_horizon=10**9, on_error=self._error, prune_on_commit=False)
         for mb in range(self.settings.micro_batches):
             self.feeder.publish(self._input_frame(mb))
-        self.feeder.set_address(f"{self.stages[0].client.address}:{self.stages[0].data_port}")
+        self.feeder.set_address(self._address(None, self.stages[0]))
+        if self.links is not None:
+            from .adb_wiring import AdbSampler
+            self.sampler = AdbSampler(self.links, {s.device.name: s.device.serial for s in self.stages
+                                                   if s.device.serial}, self._sampled).start()
+
+    def _sampled(self, device: str, meta: dict) -> None:
+        """A dumpsys sample (PSS, battery temperature) read over adb: into the event queue, so the
+        main loop writes it to the metrics ("kind": "adb_dumpsys")."""
+        self.events.put(Event(device, Message(MsgType.TELEMETRY, meta), time.time()))
 
     def _input_frame(self, mb: int) -> Message:
         b = self.micro_batches[mb % len(self.micro_batches)]
@@ -185,7 +242,7 @@ class Coordinator:
             return
         msg = ev.msg
         rec = {"t": ev.at, "device": ev.device, "stage": st.k, "type": msg.type.name, **msg.meta}
-        if msg.type == MsgType.TELEMETRY:
+        if msg.type == MsgType.TELEMETRY and msg.get("kind", "micro_batch") == "micro_batch":  # "window" records carry deltas
             st.last_mb = max(st.last_mb, msg.get("micro_batch", -1))
             out = msg.get("bytes_out", 0)
             if out < st.bytes_out:  # a new incarnation of the stage started counting from zero
@@ -232,7 +289,7 @@ class Coordinator:
             self._assign(st, rollback_to=g)
             st.committed = g
             st.last_mb = (g + 1) * self.settings.window_size - 1
-        self.feeder.set_address(f"{self.stages[0].client.address}:{self.stages[0].data_port}")
+        self.feeder.set_address(self._address(None, self.stages[0]))
         failed.failed_at = None
         self._record_recovery("global-rollback", self.stages, why, detected, frontier, resumed_after_window=g)
 
@@ -254,12 +311,11 @@ class Coordinator:
 
     def _point_upstream_at(self, st: StageState) -> None:
         """Only the upstream neighbour learns the restarted stage's address; nobody rolls back."""
-        address = f"{st.client.address}:{st.data_port}"
         if st.k == 0:
-            self.feeder.set_address(address)
+            self.feeder.set_address(self._address(None, st))
         else:
             up = self.stages[st.k - 1]
-            up.meta["downstream"] = address
+            up.meta["downstream"] = self._address(up, st)
             up.client.assign({k: v for k, v in up.meta.items() if k != "request_id"})
 
     def _record_recovery(self, kind, stages, why, detected, frontier, resumed_after_window) -> None:
@@ -282,7 +338,12 @@ class Coordinator:
         return sum(s.bytes_banked + s.bytes_out for s in self.stages) + (self.feeder.bytes_sent if self.feeder else 0)
 
     # ---- the end
+    def stop_sampling(self) -> None:
+        if self.sampler is not None:
+            self.sampler.stop()
+
     def finish(self) -> dict:
+        self.stop_sampling()
         lora = {}
         for st in self.stages:
             reply = st.client.get_state("lora")

@@ -8,9 +8,9 @@ from pathlib import Path
 
 from zl_mobile.mdns import LOOPBACK, browse
 
+from .adb_wiring import APP_PORT  # noqa: F401  the app's control port (adb-forwarded for USB phones)
 from .coordinator import DeviceHandle
 
-APP_PORT = 7878  # the Android app's control port (forwarded over adb for USB phones)
 PHONES_HOME = Path.home() / ".zerolock" / "phones"
 
 
@@ -27,6 +27,12 @@ class Reachable:
     runtime: str
     memory_bytes: int
     serial: str | None = None
+    model: str = ""      # adb: the phone's model, when adb reports it
+    state: str = ""      # adb: "device" (ready), "unauthorized", "offline", ...
+
+    @property
+    def ready(self) -> bool:
+        return self.source != "adb" or self.state == "device"
 
 
 def mdns_interfaces(spec: str):
@@ -44,8 +50,9 @@ def find_devices(timeout: float = 2.0, interfaces: str = "loopback", want: int |
 
     st = adb_status()
     if st.kind == "ok":
-        for p in st.phones:
-            found.append(Reachable(p.model or p.serial, "adb", None, None, "android", 0, serial=p.serial))
+        for p in st.phones:  # named by serial: unique, unlike models; tokens are keyed by it
+            found.append(Reachable(p.serial, "adb", None, None, "android", 0, serial=p.serial, model=p.model,
+                                   state=p.state))
         notes.append(f"adb: {len(st.phones)} device(s)")
     else:
         notes.append(f"adb: {st.message}")
@@ -66,35 +73,60 @@ def load_tokens(path: Path | None) -> dict[str, str]:
     return tokens
 
 
-def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfaces: str) -> list[DeviceHandle]:
-    """--devices auto | NAME,NAME,...: wait (bounded) for enough phones, with known tokens."""
+def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfaces: str,
+            links=None) -> list[DeviceHandle]:
+    """--devices auto | NAME,NAME,...: wait (bounded) for enough phones, with known tokens.
+
+    Phones on mDNS are used at their endpoint; phones on adb (named by serial) through ``links``
+    (host.adb_wiring.AdbLinks), which forwards their control port; without it they are skipped."""
     names = None if spec == "auto" else [n.strip() for n in spec.split(",") if n.strip()]
     deadline = time.time() + wait_s
-    seen: list[Reachable] = []
+
+    def reachable(r: Reachable) -> bool:
+        return r.ready and (r.endpoint is not None or (r.source == "adb" and links is not None))
+
     while True:
         seen, notes = find_devices(timeout=min(2.0, max(0.5, deadline - time.time())), interfaces=interfaces, want=need)
-        usable = [r for r in seen if r.endpoint and r.name in tokens]
         if names is not None:
-            unknown = [n for n in names if n not in {r.name for r in seen}]
+            by_name = {r.name: r for r in seen if reachable(r)}
+            unknown = [n for n in names if n not in by_name]
             if not unknown:
-                usable = [r for r in usable if r.name in names]
+                chosen = [by_name[n] for n in names]
                 break
-        elif len(usable) >= need:
-            usable = usable[:need]
-            break
+        else:
+            chosen = [r for r in seen if reachable(r) and r.name in tokens][:need]
+            if len(chosen) >= need:
+                break
         if time.time() >= deadline:
-            seen_names = ", ".join(sorted(r.name for r in seen)) or "none"
+            seen_names = ", ".join(sorted(f"{r.name} ({r.state})" if not r.ready else r.name for r in seen)) or "none"
             if names is not None:
+                waiting = [r for r in seen if r.name in unknown and not r.ready]
+                if any(r.state == "unauthorized" for r in waiting):
+                    raise DeviceLookupError(f"{', '.join(r.name for r in waiting)} not ready on adb "
+                                            f"({', '.join(r.state for r in waiting)}): accept the USB debugging "
+                                            "prompt on the phone, then run again")
                 raise DeviceLookupError(f"unknown device(s) {', '.join(unknown)} after {wait_s:.0f} s (seen: {seen_names}); "
                                         "check the names with zl-host devices")
-            raise DeviceLookupError(f"found {len(usable)} usable device(s) of {need} needed within {wait_s:.0f} s "
+            raise DeviceLookupError(f"found {len(chosen)} usable device(s) of {need} needed within {wait_s:.0f} s "
                                     f"(seen: {seen_names}; {'; '.join(notes)}): start more phones "
                                     "(zl-host emulate N) or pass their tokens with --tokens")
         time.sleep(0.5)
-    missing_token = [r.name for r in usable if r.name not in tokens]
+    missing_token = [r.name for r in chosen if r.name not in tokens]
     if missing_token:
         raise DeviceLookupError(f"no pairing token for {', '.join(missing_token)}: pass --tokens FILE (JSON NAME -> token shown on the phone)")
-    return [DeviceHandle(r.name, r.endpoint, tokens[r.name], r.memory_bytes) for r in usable]
+    handles = []
+    for r in chosen:
+        if r.source == "adb":
+            from .adb import AdbCommandError, read_mem_total_bytes
+            try:
+                endpoint = links.control_endpoint(r.serial)
+                memory = read_mem_total_bytes(r.serial, **links.kw)
+            except AdbCommandError as e:
+                raise DeviceLookupError(str(e)) from None
+            handles.append(DeviceHandle(r.name, endpoint, tokens[r.name], memory, serial=r.serial))
+        else:
+            handles.append(DeviceHandle(r.name, r.endpoint, tokens[r.name], r.memory_bytes))
+    return handles
 
 
 def as_json(found: list[Reachable]) -> str:

@@ -84,11 +84,15 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         r = last[k]
         first = next(x for x in tel if x["stage"] == k)
         busy = r["active_s"] + r["wait_s"]
-        def f(v):
-            return "-" if v is None else f"{v:.4f}"
+        f = _num
         rows.append(f"| {k} | {r['device']} | {f(first.get('loss'))} | {f(r.get('loss'))} | {f(r.get('task_loss'))} | "
                     f"{f(r.get('consis_loss'))} | {r.get('pss_bytes', 0) / 2**20:.0f} | "
                     f"{r.get('temperature_c', 'n/a')} | {100 * r['active_s'] / busy if busy else 0:.0f}% |")
+    win = [r for r in recs if r["type"] == "TELEMETRY" and r.get("kind") == "window"]
+    win_rows = [f"| {r['stage']} | {r['window']} | {r['micro_batches']} | {_num(r.get('task_loss'))} | "
+                f"{_num(r.get('consis_loss'))} | {r.get('rss_peak_bytes', 0) / 2**20:.0f} | {r['seconds']:.2f} | "
+                f"{100 * r['active_s'] / max(r['active_s'] + r['wait_s'], 1e-9):.0f}% | {r['bytes_out'] / 2**10:.0f} |"
+                for r in sorted(win, key=lambda r: (r["stage"], r["window"]))]
     md = [f"# ZeroLock run {summary.get('run_id', '')}", "",
           f"- program: `{summary.get('program')}`", f"- data: {summary.get('data')}",
           f"- micro-batches: {summary.get('micro_batches')}, window {summary.get('window_size')}, "
@@ -97,6 +101,13 @@ def write_report(run_dir: Path, summary: dict) -> Path:
           f"- recoveries: {summary.get('recoveries', 0)}", "",
           "| stage | device | first loss | last loss | task | consistency | PSS MiB | temp °C | active |",
           "|---|---|---|---|---|---|---|---|---|", *rows, "",
-          "![loss](loss.png)", "", "![memory](memory.png)", "", "![timeline](timeline.png)", ""]
+          "![loss](loss.png)", "", "![memory](memory.png)", "", "![timeline](timeline.png)", "",
+          "## Per update window", "",
+          "| stage | window | micro-batches | mean task | mean consistency | peak RSS MiB | seconds | active | KiB out |",
+          "|---|---|---|---|---|---|---|---|---|", *win_rows, ""]
     (run_dir / "report.md").write_text("\n".join(md))
     return run_dir / "report.md"
+
+
+def _num(v) -> str:
+    return "-" if v is None else f"{v:.4f}"

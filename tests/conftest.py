@@ -41,12 +41,14 @@ def small_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def small_export(small_model_dir, tmp_path_factory):
-    """(out_dir, manifest, artifacts, cfg) of the small model exported in three chunks."""
+    """(out_dir, manifest, artifacts, cfg) of the small model exported in three chunks (ZeroLock and
+    BP programs, and the frozen weights the eager backend reads)."""
     from exporter.export import export_model
 
     cfg = small_export_config()
     out = tmp_path_factory.mktemp("export") / "out"
-    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"))
+    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"),
+                                     eager_weights=True)
     return out, manifest, artifacts, cfg
 
 

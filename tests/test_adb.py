@@ -24,6 +24,12 @@ def sample(name: str) -> str:
 # ------------------------------------------------------------------ meminfo
 
 @pytest.mark.parametrize("name, pss", [
+    # captured on phones (sources in tests/data/dumpsys/README.md)
+    ("meminfo_pixel2_android11.txt", 688561),                  # Pixel 2, Android 11
+    ("meminfo_unity_package_android8-10_layout.txt", 312674),  # older layout, no Rss column
+    ("meminfo_unity_native_process.txt", 1383),                # a native process: no MEMINFO header
+    ("meminfo_launcher3_android11plus_layout.txt", 105529),    # 'dumpsys meminfo -a -d', Rss column
+    # written to the AOSP layouts (README.md)
     ("meminfo_android8.txt", 60743),
     ("meminfo_android10.txt", 83211),
     ("meminfo_android12.txt", 158529),
@@ -78,6 +84,8 @@ def test_read_pss_rejects_odd_package_names():
 # ------------------------------------------------------------------ battery
 
 @pytest.mark.parametrize("name, temp", [
+    ("battery_samsung_s24.txt", 35.7),     # captured: Galaxy S24, with Samsung's extra sections
+    ("battery_samsung_2018.txt", 32.6),    # captured: a Samsung phone in 2018
     ("battery_android8.txt", 31.2),
     ("battery_android11.txt", 28.7),
     ("battery_android14.txt", 41.5),
@@ -86,6 +94,18 @@ def test_read_pss_rejects_odd_package_names():
 def test_battery_samples(name, temp):
     assert parse_battery_temp_c(sample(name)) == pytest.approx(temp)
     assert parse_battery_temp_c(sample(name).replace("\n", "\r\n")) == pytest.approx(temp)
+
+
+def test_battery_event_log_temperatures_are_not_the_current_one():
+    """Samsung's dumpsys battery appends logs of earlier ACTION_BATTERY_CHANGED broadcasts, each with
+    its own 'temperature:NNN'; only the service state's own line counts."""
+    text = sample("battery_samsung_s24.txt")
+    assert "temperature:362," in text and "mSavedBatteryMaxTemp: 512" in text
+    assert parse_battery_temp_c(text) == pytest.approx(35.7)
+    head, _, log = text.partition("[EventLogBuffer]")
+    assert parse_battery_temp_c(head) == pytest.approx(35.7)
+    with pytest.raises(DumpsysParseError):    # the logs alone hold no current temperature
+        parse_battery_temp_c(log)
 
 
 def test_battery_negative_and_garbage():

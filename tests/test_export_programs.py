@@ -2,6 +2,8 @@
 recompute in phase 2, and a few optimizer steps follow the eager trajectory."""
 import json
 
+import pytest
+
 import torch
 from peft import get_peft_model
 from safetensors.torch import load_file
@@ -162,3 +164,35 @@ def test_optimizer_steps_follow_the_eager_trajectory(small_export):
         assert abs(a - b) < 1e-4
     for g in start:
         assert torch.allclose(theirs[g].detach(), params[to_local[g]].detach(), atol=1e-5)
+
+
+def test_programs_carry_the_metadata_androids_training_module_reads(small_export):
+    """TrainingModule.executeForwardBackward(m) returns outputs [0, gradients_index) and maps
+    outputs [gradients_index, parameters_index) to the fqn names: run those metadata methods in
+    ExecuTorch's runtime and check them against what the manifest says each output is."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+    out, manifest, _, _ = small_export
+    for chunk in manifest["chunks"]:
+        lora = {t["name"] for t in chunk["lora"]}
+        for entry in (chunk, chunk["bp"]):
+            module = _load_for_executorch(str(out / entry["program"]), data_path=str(out / entry["weights"]))
+            for method in ("phase1", "phase2"):
+                names = [o["name"] for o in entry["methods"][method]["outputs"]]
+                (grad_start,) = module.run_method(f"__et_training_gradients_index_{method}", ())
+                (param_start,) = module.run_method(f"__et_training_parameters_index_{method}", ())
+                fqn = list(module.run_method(f"__et_training_fqn_{method}", ()))
+                assert param_start == len(names)  # no parameter outputs
+                assert not any(n.startswith("grad:") for n in names[:grad_start])
+                assert names[grad_start:] == [f"grad:{n}" for n in fqn]
+                assert set(fqn) == (lora if method == "phase2" else set()), (entry["program"], method)
+
+
+def test_training_metadata_refuses_gradients_that_are_not_last():
+    from exporter.training_metadata import training_constant_methods
+
+    ok = training_constant_methods({"m": {"outputs": [{"name": "loss"}, {"name": "grad:a"}, {"name": "grad:b"}]}})
+    assert ok == {"__et_training_gradients_index_m": 1, "__et_training_parameters_index_m": 3,
+                  "__et_training_fqn_m": ["a", "b"]}
+    with pytest.raises(ValueError, match="must come last"):
+        training_constant_methods({"m": {"outputs": [{"name": "grad:a"}, {"name": "loss"}, {"name": "grad:b"}]}})

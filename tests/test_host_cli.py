@@ -58,6 +58,10 @@ def test_run_over_mdns_trains_and_writes_adapter_and_report(e2e):
         first = np.mean([r["loss"] for r in tel if r["stage"] == k and r["window"] == 0])
         last = np.mean([r["loss"] for r in tel if r["stage"] == k and r["window"] == 3])
         assert last < first, (k, first, last)
+    report = (run / "report.md").read_text()
+    window_rows = [line for line in report.splitlines() if line.startswith("| ") and line.count("|") == 10
+                   and line.split("|")[2].strip().isdigit()]
+    assert len(window_rows) == 3 * 4  # one row per stage and update window
 
 
 def test_adapter_loads_in_peft_and_changes_logits(e2e, small_model_dir):

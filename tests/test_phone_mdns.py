@@ -82,13 +82,13 @@ def test_phone_is_found_over_mdns_on_loopback(advertised_phone):
     assert len(mine) == 1, found
     f = mine[0]
     assert (f.address, f.port, f.endpoint) == ("127.0.0.1", port, f"127.0.0.1:{port}")
-    assert (f.proto, f.runtime, f.memory_bytes) == (1, "zl_mobile", total_memory_bytes())
+    assert (f.proto, f.runtime, f.memory_bytes) == (1, "zl_mobile/executorch", total_memory_bytes())
     # the TXT record itself carries name/proto/runtime/mem
     zc = _zeroconf(["127.0.0.1"])
     try:
         info = zc.get_service_info(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}", timeout=3000)
         assert info is not None and info.port == port
-        assert parse_txt(info.properties) == {"name": name, "proto": "1", "runtime": "zl_mobile",
+        assert parse_txt(info.properties) == {"name": name, "proto": "1", "runtime": "zl_mobile/executorch",
                                               "mem": str(total_memory_bytes())}
     finally:
         zc.close()

@@ -58,8 +58,28 @@ def test_each_window_committed_once_and_lora_gathered(trained):
 
 def test_telemetry_reports_memory_and_time(trained):
     out, manifest, result, records = trained
-    tel = [r for r in records if r["type"] == "TELEMETRY"]
+    tel = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
     assert all(r["pss_bytes"] > 10 << 20 for r in tel)
+    assert all(r["rss_peak_bytes"] >= r["pss_bytes"] for r in tel)  # PSS <= RSS <= the peak RSS
     assert all(isinstance(r.get("temperature_c", 0.0), float) for r in tel)  # absent when unavailable
-    assert all(r["phase2_end"] >= r["phase1_end"] >= r["phase1_start"] for r in tel)
+    assert all(r["phase2_end"] >= r["phase2_start"] >= r["phase1_end"] >= r["phase1_start"] for r in tel)
     assert tel[-1]["active_s"] > 0
+
+
+def test_window_telemetry_sums_up_its_micro_batches(trained):
+    out, manifest, result, records = trained
+    mbs = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
+    windows = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "window"]
+    assert sorted((r["stage"], r["window"]) for r in windows) == [(k, w) for k in range(3) for w in range(4)]
+    for wr in windows:
+        mine = [r for r in mbs if (r["stage"], r["window"]) == (wr["stage"], wr["window"])]
+        assert wr["micro_batches"] == len(mine) == 2
+        for key in ("task_loss", "consis_loss", "loss"):
+            assert wr[key] == pytest.approx(np.mean([r[key] for r in mine]), rel=1e-6)
+        assert wr["phase1_s"] == pytest.approx(sum(r["phase1_end"] - r["phase1_start"] for r in mine), abs=1e-6)
+        assert wr["phase2_s"] == pytest.approx(sum(r["phase2_end"] - r["phase2_start"] for r in mine), abs=1e-3)
+        assert wr["rss_peak_bytes"] >= max(r["rss_peak_bytes"] for r in mine) >= max(r["pss_bytes"] for r in mine)
+        assert 0 < wr["active_s"] <= wr["seconds"] + 1e-3 and wr["step_s"] > 0
+    for k in range(2):  # per-window traffic adds up to the running total the micro-batch records carry
+        sent = sum(r["bytes_out"] for r in windows if r["stage"] == k)
+        assert sent == max(r["bytes_out"] for r in mbs if r["stage"] == k) > 0

@@ -78,7 +78,7 @@ def test_bp_baselines_train_on_the_same_runtime(bp_runs):
     for name, (result, records) in bp_runs.items():
         commits = sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED")
         assert commits == [(k, w) for k in range(3) for w in range(2)], name
-        last = [r for r in records if r["type"] == "TELEMETRY" and r["stage"] == 2]
+        last = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["stage"] == 2]
         assert all("loss" in r for r in last) and len(last) == 8
         assert all(r["schedule"] == name for r in records if r["type"] == "TELEMETRY")
 
@@ -93,6 +93,6 @@ def test_flushed_bp_schedules_compute_the_same_update(bp_runs):
 
 def test_bp_in_flight_activations_follow_the_schedule(bp_runs):
     for name, expect in (("gpipe", 4), ("1f1b", 3)):
-        recs = [r for r in bp_runs[name][1] if r["type"] == "TELEMETRY" and r["stage"] == 0]
+        recs = [r for r in bp_runs[name][1] if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["stage"] == 0]
         # in_flight counts forwards still held after this backward: peak is one less than held before it
         assert max(r["in_flight"] for r in recs) == expect - 1, name

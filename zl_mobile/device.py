@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
+from .backends import Backend
 from .connection import Connection
 from .program import ProgramError
 from .protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
@@ -23,7 +24,6 @@ from .stage import Stage, StageConfig
 from .telemetry import read_pss_bytes, total_memory_bytes
 
 log = logging.getLogger("zl_mobile.device")
-CAPABILITIES = ["executorch", "lora", "replay", "two-phase"]
 
 
 from .hashing import sha256_file  # noqa: E402
@@ -32,8 +32,10 @@ from .hashing import sha256_file  # noqa: E402
 class Device:
     """State that outlives host sessions: stored files and the running stage."""
 
-    def __init__(self, name: str, workdir: Path, token: str, limiter=None, bind: str = "0.0.0.0"):
+    def __init__(self, name: str, workdir: Path, token: str, limiter=None, bind: str = "0.0.0.0",
+                 backend: Backend | None = None):
         self.name = name
+        self.backend = backend or Backend()  # the runtime the chunk runs on (zl-phone --backend)
         self.bind = bind  # the stage's data port listens here too
         self.workdir = Path(workdir)
         self.files = self.workdir / "files"
@@ -54,8 +56,8 @@ class Device:
             if p.is_file() and not p.name.endswith(".part"):
                 stored[p.name] = self._cached_sha(p)
         return Message(MsgType.HELLO, {
-            "name": self.name, "protocol_version": 1, "runtime_version": f"zl_mobile {__version__}",
-            "memory_bytes": total_memory_bytes(), "capabilities": CAPABILITIES, "os": "linux-emulated",
+            "name": self.name, "protocol_version": 1, "runtime_version": f"zl_mobile {__version__} ({self.backend.label})",
+            "memory_bytes": total_memory_bytes(), "capabilities": self.backend.capabilities, "os": "linux-emulated",
             "cores": len(os.sched_getaffinity(0)), "files": stored})
 
     def _cached_sha(self, p: Path) -> str:
@@ -212,7 +214,11 @@ class Device:
                 raise self._reject(msg, f"schedule {meta['schedule']} needs the chunk's BP program: export with --mode both")
             chunk = {**chunk, **chunk["bp"]}
         sizes = {f["path"]: f for f in manifest["files"]}
-        for key in ("program", "weights", "lora_init"):
+        try:
+            needed = self.backend.chunk_files(chunk)
+        except ProgramError as e:
+            raise self._reject(msg, str(e)) from None
+        for key in needed:
             entry = sizes[chunk[key]]
             p = self.files / chunk[key]
             if not p.exists():
@@ -235,7 +241,8 @@ class Device:
             try:
                 self.stage = Stage(self.files, chunk, manifest["export"], cfg, self.workdir,
                                    to_host=self.send_to_host, limiter=self.limiter,
-                                   data_port=meta.get("listen_port", 0), bind=self.bind)
+                                   data_port=meta.get("listen_port", 0), bind=self.bind,
+                                   load_program=self.backend.load)
             except ProgramError as e:
                 raise self._reject(msg, str(e)) from None
         self.stage_meta = dict(meta)

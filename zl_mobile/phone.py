@@ -1,7 +1,8 @@
 """zl-phone: turn this process into an emulated phone that serves one ZeroLock host.
 
 It advertises itself over mDNS, keeps what it is sent in its work dir, prints its pairing
-token, and runs its chunk on ExecuTorch's runtime. Thread caps, CPU pinning and an outgoing
+token, and runs its chunk on ExecuTorch's runtime (or, with --backend eager, in eager PyTorch on
+CPU threads or a CUDA device: see zl_mobile/backends.py). Thread caps, CPU pinning and an outgoing
 rate limit make several emulated phones on one machine behave like separate devices."""
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ def build_parser():
     p.add_argument("--rate-mbit", type=float, default=None, help="shape outgoing links to this many Mbit/s")
     p.add_argument("--mdns", default="loopback", help="advertise on: loopback (default), all, none, or an IPv4 address")
     p.add_argument("--bind", default="127.0.0.1", help="address to listen on (0.0.0.0 for a LAN)")
+    p.add_argument("--backend", choices=["executorch", "eager"], default="executorch",
+                   help="run the chunk's exported program in ExecuTorch (default), or the same chunk in eager "
+                        "PyTorch (needs an export made with zl-export --eager-weights; no ExecuTorch needed)")
+    p.add_argument("--torch-device", default=None,
+                   help="with --backend eager: cpu (default), cuda or cuda:N")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -68,39 +74,42 @@ def main(argv=None) -> int:
         except ValueError as e:  # before anything is created or written
             print(f"zl-phone: error: --token: {e}", file=sys.stderr)
             return 2
+    # the backend's options (for eager, its torch device): after the affinity/thread settings, before
+    # anything is written
+    from .backends import Backend, BackendError
+
+    try:
+        backend = Backend.from_args(a.backend, a.torch_device)
+    except BackendError as e:
+        print(f"zl-phone: error: {e}", file=sys.stderr)
+        return 2
     workdir = a.workdir or Path.home() / ".zerolock" / "phones" / a.name
     workdir.mkdir(parents=True, exist_ok=True)
     try:
         token = load_or_create_token(workdir, a.token)
-    except ValueError as e:
+        backend.check_runtime()  # imports ExecuTorch (and torch) for the default backend
+    except ValueError as e:  # BackendError too
         print(f"zl-phone: error: {e}", file=sys.stderr)
         return 2
-
-    import torch  # after the affinity/thread settings
-
     if threads:
-        torch.set_num_threads(threads)
-        try:
-            from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-            _unsafe_reset_threadpool(threads)
-        except ImportError:
-            pass
+        backend.set_threads(threads)
+
     from .device import Device, serve
     from .mdns import Advertisement, txt_record
     from .protocol import RateLimiter
     from .telemetry import total_memory_bytes
 
     limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
-    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind)
+    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend)
     adverts = []
 
     def ready(port: int) -> None:
-        print(f"zl-phone {a.name}: listening on {a.bind}:{port}, work dir {workdir}", flush=True)
+        print(f"zl-phone {a.name}: listening on {a.bind}:{port}, work dir {workdir}, backend {backend.label}", flush=True)
         print(f"pairing token: {token}", flush=True)
         if a.mdns != "none":
             interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
             address = a.bind if a.bind != "0.0.0.0" else "127.0.0.1"
-            adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, "zl_mobile", total_memory_bytes()),
+            adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes()),
                                          address=address, interfaces=interfaces))
             print(f"advertised as {adverts[-1].instance} on {a.mdns}", flush=True)
 

@@ -2,7 +2,10 @@
 
 phase1(lora, batch) -> (h_k, saved)          the forward; h_k is what goes downstream
 phase2(lora, saved, batch) -> StepResult      local loss + LoRA gradients; no forward recompute
-Inputs are matched to the method signatures by the names recorded in the manifest."""
+run(method, values) -> outputs by name        a method with inputs picked by name (BP schedules)
+Inputs are matched to the method signatures by the names recorded in the manifest.
+zl_mobile/eager_program.py runs the same chunk in eager PyTorch behind the same interface;
+zl_mobile/backends.py chooses between them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,19 +26,12 @@ class StepResult:
     grads: dict[str, torch.Tensor]  # peft name -> gradient
 
 
-class ChunkProgram:
-    def __init__(self, export_dir: Path, chunk: dict):
-        from executorch.extension.pybindings.portable_lib import _load_for_executorch
+class NamedMethods:
+    """What both backends share: the methods' named inputs and outputs, from the manifest entry."""
 
+    def __init__(self, chunk: dict):
         self.chunk = chunk
         self.index = chunk["index"]
-        pte = Path(export_dir) / chunk["program"]
-        ptd = Path(export_dir) / chunk["weights"]
-        try:
-            self._module = _load_for_executorch(str(pte), data_path=str(ptd))
-        except Exception as e:  # the runtime raises RuntimeError with an error code only
-            raise ProgramError(f"ExecuTorch could not load {pte.name} with {ptd.name} ({e}): "
-                               "re-push the program and weights (their sha256 must match the manifest)") from None
         self.methods = chunk["methods"]
         self.lora_names = [t["name"] for t in chunk["lora"]]
         self.lora_shapes = {t["name"]: tuple(t["shape"]) for t in chunk["lora"]}
@@ -57,8 +53,7 @@ class ChunkProgram:
 
     def run(self, method: str, values: dict) -> dict:
         """Call a method with inputs picked by name; returns its outputs by name."""
-        outs = self._module.run_method(method, self._args(method, values))
-        return dict(zip((o["name"] for o in self.methods[method]["outputs"]), outs))
+        raise NotImplementedError
 
     def phase1(self, lora: dict, batch: dict):
         saved = self.run("phase1", {**batch, **lora})
@@ -68,3 +63,23 @@ class ChunkProgram:
         res = self.run("phase2", {**batch, **saved, **lora})
         grads = {n[5:]: g for n, g in res.items() if n.startswith("grad:")}
         return StepResult(float(res["loss"]), float(res["task_loss"]), float(res["consis_loss"]), grads)
+
+
+class ChunkProgram(NamedMethods):
+    """The chunk's .pte (methods phase1, phase2) with its frozen weights (.ptd), in ExecuTorch."""
+
+    def __init__(self, export_dir: Path, chunk: dict):
+        from executorch.extension.pybindings.portable_lib import _load_for_executorch
+
+        super().__init__(chunk)
+        pte = Path(export_dir) / chunk["program"]
+        ptd = Path(export_dir) / chunk["weights"]
+        try:
+            self._module = _load_for_executorch(str(pte), data_path=str(ptd))
+        except Exception as e:  # the runtime raises RuntimeError with an error code only
+            raise ProgramError(f"ExecuTorch could not load {pte.name} with {ptd.name} ({e}): "
+                               "re-push the program and weights (their sha256 must match the manifest)") from None
+
+    def run(self, method: str, values: dict) -> dict:
+        outs = self._module.run_method(method, self._args(method, values))
+        return dict(zip((o["name"] for o in self.methods[method]["outputs"]), outs))

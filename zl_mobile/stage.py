@@ -24,7 +24,7 @@ from .links import InboundLink, InboundQueue, OutboundLink
 from .program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
-from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c
+from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
 log = logging.getLogger("zl_mobile.stage")
 FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint")
@@ -68,14 +68,14 @@ class StageConfig:
 
 class Stage:
     def __init__(self, export_dir: Path, chunk: dict, export: dict, cfg: StageConfig, workdir: Path,
-                 to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0"):
+                 to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0", load_program=ChunkProgram):
         self.cfg = cfg
         self.alpha = torch.tensor([cfg.alpha if cfg.alpha is not None else export["alpha"]], dtype=torch.float32)
         readout_rows = export["readout_rows"]
         self.k = cfg.stage
         self.bp = cfg.schedule != "zerolock"  # BP baselines run the chunk's BP program
         entry = {**chunk, **chunk["bp"]} if self.bp else chunk
-        self.program = ChunkProgram(export_dir, entry)
+        self.program = load_program(export_dir, entry)  # zl_mobile.backends.Backend.load picks the runtime
         self.first_input = chunk["first_input"]
         self.is_last = cfg.stage == cfg.num_stages - 1
         probe = next((t for t in self.program.input_spec("phase1") if t["name"] == "grad_probe"), None)
@@ -107,7 +107,9 @@ class Stage:
         self._pending: dict[int, dict] = {}   # micro-batch -> what its L/B step needs (saved activations...)
         self.grads_in = InboundQueue(drop_older=False)  # BP: dL/dh_k from downstream, by micro-batch
         self.done_micro_batches = 0
-        self.pss_peak = 0
+        self.rss_peak = 0
+        take_peak_rss_bytes()  # peaks count from here, not from loading
+        self._window_stats: dict[int, dict] = {}  # window -> sums for its TELEMETRY "window" record
 
         self.queue = InboundQueue()
         self.inbound = InboundLink(f"stage{self.k}-in", cfg.upstream_token, self.queue,
@@ -120,6 +122,7 @@ class Stage:
                                          replay_horizon=cfg.replay_horizon, limiter=limiter,
                                          on_error=self._report_error, on_gradient=self.grads_in.put)
             self.outbound.set_address(cfg.downstream)
+        self._window_mark = self._counters()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"stage{self.k}", daemon=True)
         self._thread.start()
@@ -205,8 +208,10 @@ class Stage:
     def _local_step(self, mb: int) -> None:
         """ZeroLock phase 2: local loss and LoRA grads from what phase 1 saved."""
         p = self._pending.pop(mb)
+        t0 = time.time()
         with self.clock.span("phase2"):
             res = self.program.phase2(p["lora"], p["saved"], p["batch"])
+        p["t"]["phase2_start"] = t0
         del p["saved"]  # saved activations go as soon as phase 2 has run
         self._accumulate(p["window"], res.grads)
         self._telemetry(mb, p, {"loss": res.loss, "task_loss": res.task_loss, "consis_loss": res.consis_loss})
@@ -218,9 +223,11 @@ class Stage:
         if not self.is_last:
             g = self._wait(self.grads_in, mb)
             values["grad_h_out"] = torch.from_numpy(np.ascontiguousarray(g.tensors["grad_h"]))
+        t0 = time.time()
         with self.clock.span("phase2"):
             out = self.program.run("phase2", values)
         del p["saved"], values
+        p["t"]["phase2_start"] = t0
         if "grad_h_in" in out and self.k > 0:
             self.inbound.send_gradient(mb, out["grad_h_in"].detach().clone().numpy())
         grads = {n[5:]: t for n, t in out.items() if n.startswith("grad:")}
@@ -236,23 +243,62 @@ class Stage:
         self.done_micro_batches += 1
 
     def _telemetry(self, mb: int, p: dict, losses: dict) -> None:
-        pss = read_pss_bytes()
-        self.pss_peak = max(self.pss_peak, pss or 0)
+        pss = read_pss_bytes()  # after phase 2: the saved activations are gone, so near the resting level
+        mb_peak = take_peak_rss_bytes()  # this micro-batch's peak RSS, inside phases 1 and 2 included
+        self.rss_peak = max(self.rss_peak, mb_peak or 0)
+        now = time.time()
+        self._add_window_stats(p["window"], p["t"], losses, now, mb_peak or 0)
         self.to_host(Message(MsgType.TELEMETRY, _present({
             "kind": "micro_batch", "stage": self.k, "micro_batch": mb, "window": p["window"],
-            "step": self.opt.step_count, "schedule": self.cfg.schedule, **losses, **p["t"], "phase2_end": time.time(),
+            "step": self.opt.step_count, "schedule": self.cfg.schedule, **losses, **p["t"], "phase2_end": now,
             # when h_k was handed to the link (None: no credit yet, the link thread sends it later)
             "forwarded": self.outbound.sent_at.pop(mb, None) if self.outbound else None,
             "active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
-            "bytes_in": self.inbound.bytes_received, "bytes_out": self.outbound.bytes_sent if self.outbound else 0,
-            "pss_bytes": pss, "pss_peak_bytes": self.pss_peak, "temperature_c": read_temperature_c(),
+            "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out(),
+            "pss_bytes": pss, "rss_peak_bytes": mb_peak, "temperature_c": read_temperature_c(),
             "readout_dropped": p["batch"]["_dropped"], "in_flight": len(self._pending),
             "spans": [[k, a, b] for k, a, b in self.clock.drain_spans()],
+        })))
+
+    def _add_window_stats(self, w: int, t: dict, losses: dict, now: float, rss_peak: int) -> None:
+        ws = self._window_stats.setdefault(w, {"micro_batches": 0, "phase1_s": 0.0, "phase2_s": 0.0, "sums": {},
+                                               "rss_peak": 0})
+        ws["micro_batches"] += 1
+        ws["rss_peak"] = max(ws["rss_peak"], rss_peak)
+        ws["phase1_s"] += t["phase1_end"] - t["phase1_start"]
+        ws["phase2_s"] += now - t["phase2_start"]
+        for k, v in losses.items():
+            if v is not None:
+                ws["sums"][k] = ws["sums"].get(k, 0.0) + v
+
+    def _bytes_out(self) -> int:
+        return self.outbound.bytes_sent if self.outbound else 0
+
+    def _counters(self) -> dict:
+        return {"active_s": self.clock.active_s, "wait_s": self.clock.wait_s, "seconds": time.time(),
+                "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out()}
+
+    def _window_telemetry(self, w: int, step_s: float) -> None:
+        """One record per update window: mean losses, time split, traffic and the window's peak RSS."""
+        ws = self._window_stats.pop(w, None)
+        if ws is None:
+            return
+        n = ws["micro_batches"]
+        now, then = self._counters(), self._window_mark
+        self._window_mark = now
+        self.to_host(Message(MsgType.TELEMETRY, _present({
+            "kind": "window", "stage": self.k, "window": w, "step": self.opt.step_count, "schedule": self.cfg.schedule,
+            "micro_batches": n, **{k: v / n for k, v in ws["sums"].items()},
+            "phase1_s": ws["phase1_s"], "phase2_s": ws["phase2_s"], "step_s": step_s,
+            **{k: now[k] - then[k] for k in now},  # active/wait time, wall time and traffic of this window
+            "pss_bytes": read_pss_bytes(), "rss_peak_bytes": max(ws["rss_peak"], take_peak_rss_bytes() or 0) or None,
+            "temperature_c": read_temperature_c(),
         })))
 
     def _end_window(self, w: int) -> None:
         acc = self._acc.pop(w)
         n = max(self._count.pop(w), 1)
+        t0 = time.time()
         with self.clock.span("step"):
             self.opt.step({k: g / n for k, g in acc.items()})
             self._maybe_fail("before-commit", w)
@@ -260,6 +306,7 @@ class Stage:
                                                optimizer=self.opt.state_tensors(),
                                                meta={"next_micro_batch": (w + 1) * self.cfg.window_size}))
         self.committed = w
+        self._window_telemetry(w, time.time() - t0)
         self.to_host(Message(MsgType.CHECKPOINT_COMMITTED, {"window": w, "step": self.opt.step_count, "sha256": sha,
                                                             "stage": self.k}))
         self.inbound.committed(w, self.opt.step_count, sha)

@@ -43,6 +43,24 @@ def total_memory_bytes() -> int:
     return 0
 
 
+def take_peak_rss_bytes() -> int | None:
+    """Peak RSS (VmHWM) since the previous call, then reset the mark (Linux >= 4.0, Android).
+
+    The kernel tracks this peak exactly, including inside ExecuTorch calls, where a Python
+    sampling thread cannot run (the runtime's Python binding holds the GIL while it computes).
+    None where unavailable."""
+    peak = None
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+    except (OSError, ValueError, IndexError):
+        pass
+    return peak
+
+
 class ActivityClock:
     """Splits wall time into active (computing) and waiting, for the active/wait timeline."""
 
