@@ -12,7 +12,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 
 from zl_mobile.links import InboundLink, InboundQueue, OutboundLink
-from zl_mobile.protocol import (ConnectionClosed, ErrorCode, Message, MsgType, ProtocolError,
+from zl_mobile.protocol import (ErrorCode, Message, MsgType, ProtocolError,
                                 host_handshake, new_token, recv_message, send_message)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +120,11 @@ def _of(seen: list[Message], t: MsgType) -> list[Message]:
     return [m for m in seen if m.type == t]
 
 
+def _telemetry(seen: list[Message], kind: str = "micro_batch") -> list[Message]:
+    """TELEMETRY records of one kind (PROTOCOL.md 5.5: `micro_batch` when `kind` is absent)."""
+    return [m for m in _of(seen, MsgType.TELEMETRY) if m.meta.get("kind", "micro_batch") == kind]
+
+
 def _wait(what: str, cond, timeout: float = 20.0) -> None:
     end = time.time() + timeout
     while not cond():
@@ -171,7 +175,7 @@ def test_handshake_and_hidden_states_both_ways(device):
 
         seen: list[Message] = []
         _recv_while(s, seen, lambda: len(_of(seen, MsgType.CHECKPOINT_COMMITTED)) < 2
-                    or len(_of(seen, MsgType.TELEMETRY)) < 4)
+                    or len(_telemetry(seen)) < 4)
         commits = _of(seen, MsgType.CHECKPOINT_COMMITTED)
 
         # h_k from the Kotlin stand-in chunk: h * (1 + a) + b, with a = 0, b = 0.5 before any update
@@ -189,6 +193,7 @@ def test_handshake_and_hidden_states_both_ways(device):
         _wait("CHECKPOINT_COMMITTED on the link", lambda: feed.downstream_committed == 1)
         assert feed.buffered() == [0, 1, 2, 3]  # the host's feed keeps its inputs (no pruning)
         telemetry = _of(seen, MsgType.TELEMETRY)
+        assert all(t["kind"] in ("micro_batch", "window") for t in telemetry)  # kind is sent on every record
         assert telemetry and telemetry[0]["stage"] == 0 and "task_loss" in telemetry[0].meta
         assert all(isinstance(t["pss_bytes"], int) for t in telemetry)
 
@@ -220,14 +225,11 @@ def test_killed_kotlin_stage_resumes_from_its_checkpoint_and_gets_its_gap(classp
     dev = KotlinDevice(classpath, tmp_path, token)
     try:
         with dev.connect() as s:
-            host_handshake(s, token)
-            send_message(s, _assign(1, feed_token))
-            ack = recv_message(s)
-            up.set_address(f"127.0.0.1:{ack['data_port']}")
+            _assign_and_feed(s, token, 1, feed_token, up)
             for mb in range(5):
                 up.publish(h(mb))
             seen: list[Message] = []
-            _recv_while(s, seen, lambda: len(_of(seen, MsgType.TELEMETRY)) < 5)
+            _recv_while(s, seen, lambda: len(_telemetry(seen)) < 5)
             assert [c["window"] for c in _of(seen, MsgType.CHECKPOINT_COMMITTED)] == [0, 1]
             _wait("pruning on commit", lambda: up.buffered() == [4])
         dev.kill()  # micro-batch 4 was accumulated, never committed
@@ -237,18 +239,16 @@ def test_killed_kotlin_stage_resumes_from_its_checkpoint_and_gets_its_gap(classp
     dev = KotlinDevice(classpath, tmp_path, token)
     try:
         with dev.connect() as s:
-            host_handshake(s, token)
-            send_message(s, _assign(2, feed_token))
-            ack = recv_message(s)
+            ack = _assign_and_feed(s, token, 2, feed_token, up)
             assert ack["committed_window"] == 1 and ack["next_micro_batch"] == 4, ack
-            up.set_address(f"127.0.0.1:{ack['data_port']}")
             for mb in range(5, 8):
                 up.publish(h(mb))
             seen = []
             _recv_while(s, seen, lambda: len(_of(seen, MsgType.CHECKPOINT_COMMITTED)) < 2
-                        or len(_of(seen, MsgType.TELEMETRY)) < 4)
+                        or len(_telemetry(seen)) < 4)
             assert [c["window"] for c in _of(seen, MsgType.CHECKPOINT_COMMITTED)] == [2, 3]
-            assert [t["micro_batch"] for t in _of(seen, MsgType.TELEMETRY)] == [4, 5, 6, 7]  # exactly the gap
+            assert [t["micro_batch"] for t in _telemetry(seen)] == [4, 5, 6, 7]  # exactly the gap
+            assert [t["window"] for t in _telemetry(seen, "window")] == [2, 3]
             send_message(s, Message(MsgType.STATE_GET, {"request_id": 3, "kind": "lora"}))
             st = _recv_until(s, MsgType.STATE_PUT, [])
             assert st["step"] == 4  # four windows, each applied once
@@ -256,6 +256,82 @@ def test_killed_kotlin_stage_resumes_from_its_checkpoint_and_gets_its_gap(classp
     finally:
         up.close()
         dev.close()
+
+
+def _vmhwm_available() -> bool:
+    try:
+        return "VmHWM:" in Path("/proc/self/status").read_text()
+    except OSError:
+        return False
+
+
+def test_kotlin_window_telemetry_sums_up_its_micro_batches(device):
+    """The Kotlin stage's per-window TELEMETRY records, checked as
+    tests/test_pipeline.py::test_window_telemetry_sums_up_its_micro_batches checks zl_mobile's:
+    one per window, right before its CHECKPOINT_COMMITTED, with the window's mean losses over its
+    micro-batches, its phase times, and deltas that add up to the running totals."""
+    W, windows = 2, 3
+    feed_token, out_token = new_token(), new_token()
+    out_queue = InboundQueue()
+    collector = InboundLink("collector", out_token, out_queue, inflight_depth=8,
+                            next_needed=lambda: out_queue.next_after(0), port=0, bind="127.0.0.1")
+    feed = OutboundLink("host-feed", feed_token, window_size=W, replay_horizon=16, prune_on_commit=False)
+    fed_bytes = 0
+    try:
+        with device.connect() as s:
+            host_handshake(s, device.token)
+            send_message(s, _assign(5, feed_token, window_size=W, downstream=f"127.0.0.1:{collector.port}",
+                                    downstream_token=out_token))
+            ack = recv_message(s)
+            assert ack.type == MsgType.ACK and ack["ok"] is True, ack
+            feed.set_address(f"127.0.0.1:{ack['data_port']}")
+            rng = np.random.default_rng(3)
+            for mb in range(W * windows):
+                h = rng.standard_normal((1, 4, 8)).astype(np.float32)
+                fed_bytes += h.nbytes
+                feed.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": mb // W}, {"h": h}))
+            seen: list[Message] = []
+            _recv_while(s, seen, lambda: len(_of(seen, MsgType.CHECKPOINT_COMMITTED)) < windows)
+    finally:
+        feed.close()
+        collector.close()
+
+    records = [m.meta for m in _of(seen, MsgType.TELEMETRY)]
+    assert all(r["kind"] in ("micro_batch", "window") for r in records)
+    mbs = [r for r in records if r["kind"] == "micro_batch"]
+    wins = [r for r in records if r["kind"] == "window"]
+    assert [r["micro_batch"] for r in mbs] == list(range(W * windows))
+    assert sorted((r["stage"], r["window"]) for r in wins) == [(0, w) for w in range(windows)]
+    pos = {id(m): i for i, m in enumerate(seen)}
+    commit_at = {m["window"]: pos[id(m)] for m in _of(seen, MsgType.CHECKPOINT_COMMITTED)}
+    for m in _telemetry(seen, "window"):  # after the window's micro-batches, right before its commit
+        w = m["window"]
+        assert pos[id(m)] + 1 == commit_at[w], f"window {w}'s record does not directly precede its CHECKPOINT_COMMITTED"
+        assert all(pos[id(x)] < pos[id(m)] for x in _telemetry(seen) if x["window"] == w)
+        assert all(pos[id(x)] > commit_at[w] for x in _telemetry(seen) if x["window"] > w)
+    hwm = _vmhwm_available()
+    for wr in wins:
+        mine = [r for r in mbs if (r["stage"], r["window"]) == (wr["stage"], wr["window"])]
+        assert wr["micro_batches"] == len(mine) == W
+        for key in ("task_loss", "consis_loss", "loss"):
+            assert wr[key] == pytest.approx(np.mean([r[key] for r in mine]), rel=1e-6, abs=1e-12)
+        assert wr["phase1_s"] == pytest.approx(sum(r["phase1_end"] - r["phase1_start"] for r in mine), abs=1e-6)
+        assert wr["phase2_s"] == pytest.approx(sum(r["phase2_end"] - r["phase2_start"] for r in mine), abs=1e-3)
+        assert wr["step"] == wr["window"] + 1 and all(r["step"] == wr["window"] for r in mine)
+        assert 0 < wr["active_s"] <= wr["seconds"] + 1e-3 and wr["step_s"] > 0
+        assert wr["schedule"] == "zerolock" and isinstance(wr["pss_bytes"], int)
+        assert "temperature_c" not in wr  # the JVM device has no thermometer: left out, never invented
+        if hwm:  # the kernel's VmHWM, read and reset through /proc/self
+            assert wr["rss_peak_bytes"] >= max(r["rss_peak_bytes"] for r in mine) > 0
+        else:
+            assert "rss_peak_bytes" not in wr and all("rss_peak_bytes" not in r for r in mine)
+    # per-window traffic adds up to the running totals the micro-batch records carry
+    assert sum(r["bytes_in"] for r in wins) == max(r["bytes_in"] for r in mbs) == fed_bytes
+    # h_k leaves on the link's own thread, so the last window may close before its last frame is out
+    assert 0 < max(r["bytes_out"] for r in mbs) <= sum(r["bytes_out"] for r in wins)
+    # active and waiting time within the windows add up to the running totals too
+    assert sum(r["wait_s"] for r in wins) == pytest.approx(mbs[-1]["wait_s"], abs=1e-6)
+    assert sum(r["active_s"] for r in wins) == pytest.approx(mbs[-1]["active_s"] + wins[-1]["step_s"], abs=1e-6)
 
 
 def test_wrong_token_is_refused(device):
@@ -279,3 +355,12 @@ def test_second_host_is_busy_and_preauth_messages_are_refused(device):
         send_message(s3, Message(MsgType.HEARTBEAT, {"seq": 1}))
         err = recv_message(s3)
         assert err.type == MsgType.ERROR and err["code"] == "UNAUTHENTICATED"
+
+
+def _assign_and_feed(s, token: str, request_id: int, feed_token: str, up: OutboundLink) -> Message:
+    """Pair, assign the stage, and point the upstream link at the stage's data port."""
+    host_handshake(s, token)
+    send_message(s, _assign(request_id, feed_token))
+    ack = recv_message(s)
+    up.set_address(f"127.0.0.1:{ack['data_port']}")
+    return ack

@@ -51,7 +51,8 @@ object DeviceMain {
             filesDir = File(root, "files"),
             checkpointDir = File(root, "checkpoints"),
             runners = RunnerFactory { _, _ -> AffineChunkRunner() },
-            stats = { Pair(Runtime.getRuntime().totalMemory() - Runtime.getRuntime().freeMemory(), null) },
+            // PSS from /proc/self/smaps_rollup where Linux has it (else the JVM heap in use); no temperature
+            stats = { Pair(ProcStats.SELF.pssBytes() ?: (Runtime.getRuntime().totalMemory() - Runtime.getRuntime().freeMemory()), null) },
             log = { System.err.println("[device] $it") },
         )
         val p = server.start(port, InetAddress.getByName(bind))

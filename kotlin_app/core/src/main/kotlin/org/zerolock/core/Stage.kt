@@ -30,7 +30,8 @@ class StageTrainer(
     private val store: CheckpointStoreApi,
     initialParams: Map<String, FloatArray>,
 ) {
-    enum class Outcome { SKIPPED, ACCUMULATED, COMMITTED }
+    /** SKIPPED: an already committed window; WINDOW_COMPLETE: from [accumulate] only, commit next. */
+    enum class Outcome { SKIPPED, ACCUMULATED, WINDOW_COMPLETE, COMMITTED }
 
     private val names: List<String> = initialParams.keys.toList()
     private val initial: Map<String, FloatArray> = initialParams.mapValues { it.value.copyOf() }
@@ -43,6 +44,9 @@ class StageTrainer(
     var nextMicroBatch: Long = 0
         private set
     var optimizerSteps: Long = 0
+        private set
+    /** The window whose last micro-batch was accumulated but which is not committed yet. */
+    var pendingWindow: Long? = null
         private set
 
     init { restore() }
@@ -71,6 +75,7 @@ class StageTrainer(
             optimizerSteps = ck.optimizerSteps
         }
         resetAccumulators()
+        pendingWindow = null
         nextMicroBatch = windows.firstOf(lastCommittedWindow + 1)
     }
 
@@ -86,9 +91,25 @@ class StageTrainer(
     fun parameter(name: String): FloatArray = params[name]?.copyOf() ?: throw NoSuchElementException(name)
     fun optimizerState(name: String): AdamWState = states[name]?.copy() ?: throw NoSuchElementException(name)
 
-    /** Feed phase-2 gradients of micro-batch [mb]. */
+    /**
+     * Feed phase-2 gradients of micro-batch [mb] and, after the window's last micro-batch, step
+     * and commit at once ([Outcome.COMMITTED]). The stage runtime uses [accumulate] and
+     * [commitWindow] instead, to report the micro-batch before the window's step.
+     */
     fun onGradients(mb: Long, grads: Map<String, FloatArray>): Outcome {
+        val o = accumulate(mb, grads)
+        if (o != Outcome.WINDOW_COMPLETE) return o
+        commitWindow()
+        return Outcome.COMMITTED
+    }
+
+    /**
+     * Add micro-batch [mb]'s gradients to its window's sum. [Outcome.WINDOW_COMPLETE]: it was the
+     * window's last micro-batch, and [commitWindow] must run before the next micro-batch.
+     */
+    fun accumulate(mb: Long, grads: Map<String, FloatArray>): Outcome {
         if (!isTrainable(mb)) return Outcome.SKIPPED
+        pendingWindow?.let { throw StageError("window_not_committed", "window $it is complete but not committed; micro-batch $mb must wait") }
         if (mb != nextMicroBatch) {
             throw StageError("out_of_order", "expected micro-batch $nextMicroBatch, got $mb")
         }
@@ -100,8 +121,17 @@ class StageTrainer(
         }
         nextMicroBatch = mb + 1
         if (!windows.isLastOfWindow(mb)) return Outcome.ACCUMULATED
+        pendingWindow = windows.windowOf(mb)
+        return Outcome.WINDOW_COMPLETE
+    }
 
-        val window = windows.windowOf(mb)
+    /**
+     * End the complete window: AdamW step, checkpoint written durably, THEN the window is
+     * recorded as committed. Returns the committed window. If the checkpoint cannot be written,
+     * the in-memory update is rolled back to the last committed checkpoint and the error rethrown.
+     */
+    fun commitWindow(): Long {
+        val window = pendingWindow ?: throw StageError("no_complete_window", "no complete window to commit (next micro-batch $nextMicroBatch)")
         for (n in names) optimizer.step(params[n]!!, accum[n]!!, states[n]!!)
         val ck = Checkpoint(
             lastCommittedWindow = window,
@@ -119,7 +149,8 @@ class StageTrainer(
         }
         lastCommittedWindow = window
         optimizerSteps += 1
+        pendingWindow = null
         resetAccumulators()
-        return Outcome.COMMITTED
+        return window
     }
 }

@@ -66,6 +66,9 @@ class DeviceServerTest {
         return got
     }
 
+    /** The `micro_batch` TELEMETRY records (the `window` ones are TELEMETRY too). */
+    private fun microBatches(got: Map<MsgType, List<Message>>) = got[MsgType.TELEMETRY]?.filter { it.meta["kind"] == "micro_batch" } ?: emptyList()
+
     private fun commits(got: Map<MsgType, List<Message>>) = got[MsgType.CHECKPOINT_COMMITTED]?.map { it.long("window") } ?: emptyList()
 
     private fun waitFor(what: String, cond: () -> Boolean) {
@@ -110,7 +113,7 @@ class DeviceServerTest {
                 val out = (0L until 4L).map { mb ->
                     outQueue.take(mb, 10_000).also { collector.grant(1) } ?: throw AssertionError("no h_k for micro-batch $mb")
                 }
-                val got = collect(c) { commits(it).size >= 2 && (it[MsgType.TELEMETRY]?.size ?: 0) >= 4 }
+                val got = collect(c) { commits(it).size >= 2 && microBatches(it).size >= 4 }
                 val h0 = out[0].tensor("h")
                 assertEquals(listOf(1L, 2L, 3L), h0.shape.toList())
                 assertEquals(0.5f, h0.toFloatArray()[0]) // a=0, b=0.5 before the first update
@@ -146,7 +149,7 @@ class DeviceServerTest {
                 c.w.write(assign(1)); val ack = c.r.read()
                 up.setAddress("127.0.0.1:${ack.long("data_port")}")
                 for (mb in 0L until 5L) up.publish(hidden(mb))
-                val got = collect(c) { (it[MsgType.TELEMETRY]?.size ?: 0) >= 5 }
+                val got = collect(c) { microBatches(it).size >= 5 }
                 assertEquals(listOf(0L, 1L), commits(got))
                 waitFor("pruning on commit") { up.buffered() == listOf(4L) }
             }
@@ -158,9 +161,9 @@ class DeviceServerTest {
                 assertEquals(1L, ack.long("committed_window")); assertEquals(4L, ack.long("next_micro_batch"))
                 up.setAddress("127.0.0.1:${ack.long("data_port")}")
                 for (mb in 5L until 8L) up.publish(hidden(mb))
-                val got = collect(c) { commits(it).size >= 2 && (it[MsgType.TELEMETRY]?.size ?: 0) >= 4 }
+                val got = collect(c) { commits(it).size >= 2 && microBatches(it).size >= 4 }
                 assertEquals(listOf(2L, 3L), commits(got))
-                assertEquals(listOf(4L, 5L, 6L, 7L), got[MsgType.TELEMETRY]!!.map { it.long("micro_batch") }, "exactly the gap")
+                assertEquals(listOf(4L, 5L, 6L, 7L), microBatches(got).map { it.long("micro_batch") }, "exactly the gap")
                 c.w.write(Message(MsgType.STATE_GET, linkedMapOf("request_id" to 3, "kind" to "lora")))
                 var st: Message
                 do { st = c.r.read() } while (st.type != MsgType.STATE_PUT)

@@ -80,6 +80,26 @@ class TelemetryTest {
     }
 
     @Test
+    fun `kind is always written, absent means micro_batch, and the window keys round-trip`() {
+        val base = """{"stage": 0, "window": 3, "step": 3, "pss_bytes": 10, "active_s": 1.5, "wait_s": 0.5"""
+        val old = Telemetry.fromJson("$base}")
+        assertEquals(Telemetry.MICRO_BATCH, old.kind); assertEquals(false, old.isWindow)
+        assertEquals("micro_batch", old.toMap()["kind"], "kind is sent on every record")
+        val w = Telemetry.fromJson("""$base, "kind": "window", "micro_batches": 4, "loss": 2.5, "phase1_s": 0.25, "phase2_s": 0.75,
+            "step_s": 0.125, "seconds": 3.5, "bytes_in": 4096, "bytes_out": 2048, "rss_peak_bytes": 123456789, "schedule": "zerolock"}""")
+        assertTrue(w.isWindow); assertEquals(4L, w.microBatches); assertEquals(0.25, w.phase1S); assertEquals(0.75, w.phase2S)
+        assertEquals(0.125, w.stepS); assertEquals(3.5, w.seconds); assertEquals(4096L, w.bytesIn); assertEquals(2048L, w.bytesOut)
+        assertEquals(123456789L, w.rssPeakBytes); assertEquals(mapOf("schedule" to "zerolock"), w.extra)
+        assertEquals(w, Telemetry.fromMessage(org.zerolock.core.protocol.Frames.decodeOne(org.zerolock.core.protocol.Frames.encode(w.toMessage()))))
+        assertEquals("window", w.toMap()["kind"])
+        for (k in listOf("micro_batches", "phase1_s", "phase2_s", "step_s", "seconds", "bytes_in", "bytes_out", "rss_peak_bytes")) {
+            assertTrue(k !in old.toMap(), "$k left out when not known")
+        }
+        assertThrows<Json.JsonError> { Telemetry.fromJson("$base, \"kind\": 1}") }
+        assertThrows<Json.JsonError> { Telemetry.fromJson("$base, \"rss_peak_bytes\": -1}") }
+    }
+
+    @Test
     fun `rejects missing and mistyped fields`() {
         assertThrows<Json.JsonError> { Telemetry.fromJson("""{"stage": 0}""") }
         assertThrows<Json.JsonError> {

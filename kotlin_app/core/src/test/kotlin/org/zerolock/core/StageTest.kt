@@ -51,6 +51,26 @@ class StageTrainerTest {
     }
 
     @Test
+    fun `accumulate then commitWindow - the split the stage runtime uses to report before the step`(@TempDir dir: File) {
+        val t = StageTrainer(UpdateWindows(W), opt(), FileCheckpointStore(File(dir, "ck.bin")), initial())
+        assertEquals("no_complete_window", assertThrows<StageError> { t.commitWindow() }.code)
+        assertEquals(StageTrainer.Outcome.ACCUMULATED, t.accumulate(0, grads(0)))
+        assertEquals(StageTrainer.Outcome.ACCUMULATED, t.accumulate(1, grads(1)))
+        assertEquals(StageTrainer.Outcome.WINDOW_COMPLETE, t.accumulate(2, grads(2)))
+        // complete but not stepped: parameters, step count and committed window unchanged
+        assertEquals(0L, t.pendingWindow); assertEquals(-1, t.lastCommittedWindow); assertEquals(0, t.optimizerSteps)
+        assertArrayEquals(initial()["q.lora_A"], t.parameter("q.lora_A"))
+        assertEquals("window_not_committed", assertThrows<StageError> { t.accumulate(3, grads(3)) }.code)
+        assertEquals(0L, t.commitWindow())
+        assertNull(t.pendingWindow); assertEquals(0, t.lastCommittedWindow); assertEquals(1, t.optimizerSteps)
+        assertParams(reference(1), t)
+        assertEquals("no_complete_window", assertThrows<StageError> { t.commitWindow() }.code)
+        for (mb in 3L until 5L) assertEquals(StageTrainer.Outcome.ACCUMULATED, t.accumulate(mb, grads(mb)))
+        assertEquals(StageTrainer.Outcome.COMMITTED, t.onGradients(5, grads(5)))
+        assertParams(reference(2), t)
+    }
+
+    @Test
     fun `restart resumes after the last committed window and never reapplies it`(@TempDir dir: File) {
         val f = File(dir, "ck.bin")
         val t = StageTrainer(UpdateWindows(W), opt(), FileCheckpointStore(f), initial())

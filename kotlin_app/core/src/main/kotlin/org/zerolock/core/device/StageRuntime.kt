@@ -3,10 +3,13 @@ package org.zerolock.core.device
 import org.zerolock.core.AdamW
 import org.zerolock.core.FileCheckpointStore
 import org.zerolock.core.InboundQueue
+import org.zerolock.core.ProcStats
 import org.zerolock.core.StageError
 import org.zerolock.core.StageTrainer
 import org.zerolock.core.Telemetry
+import org.zerolock.core.TelemetryCounters
 import org.zerolock.core.UpdateWindows
+import org.zerolock.core.WindowTelemetry
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.FrameWriter
 import org.zerolock.core.protocol.Handshake
@@ -53,18 +56,35 @@ class StageAssignment(val msg: Message) {
     }
 }
 
-/** What the UI (and the host, as TELEMETRY) learns after each micro-batch. */
-fun interface StageListener { fun onTelemetry(t: Telemetry) }
+/**
+ * What the UI learns (the host gets the same records as TELEMETRY): [onTelemetry] after each
+ * micro-batch (`kind` micro_batch), [onWindow] once per committed update window (`kind` window).
+ */
+fun interface StageListener {
+    fun onTelemetry(t: Telemetry)
+    fun onWindow(t: Telemetry) {}
+}
 
-/** Device measurements the core cannot make itself (PSS, battery temperature). */
-fun interface StatsProvider { fun sample(): Pair<Long, Double?> }
+/**
+ * Device measurements: [sample] gives what the core cannot read itself (PSS, battery
+ * temperature; the Android app asks the OS), [takePeakRssBytes] the peak RSS since its previous
+ * call, then resets the mark (default: the kernel's VmHWM through /proc/self, Linux and Android;
+ * null where unavailable, and the key is then left out of the TELEMETRY record).
+ */
+fun interface StatsProvider {
+    fun sample(): Pair<Long, Double?>
+    fun takePeakRssBytes(): Long? = ProcStats.SELF.takePeakRssBytes()
+}
 
 /**
  * One stage of the pipeline on this device, the Kotlin twin of zl_mobile/stage.py (ZeroLock
  * schedule): per micro-batch take h_{k-1} from the inbound queue (and return its credit), phase 1,
  * publish h_k downstream at once (early forwarding), phase 2, accumulate; at the end of each
  * update window AdamW, an atomic checkpoint, then CHECKPOINT_COMMITTED to the host and to the
- * upstream (which may then prune its replay buffer). After a restart the stage resumes at the
+ * upstream (which may then prune its replay buffer). TELEMETRY goes to the host as zl_mobile sends
+ * it: a `micro_batch` record after each micro-batch's phase 2, and per window, after its
+ * checkpoint and before CHECKPOINT_COMMITTED, a `window` record ([WindowTelemetry]). After a
+ * restart the stage resumes at the
  * first micro-batch after its last committed window and says so in REPLAY_REQUEST, so no window
  * is lost or applied twice.
  */
@@ -101,12 +121,30 @@ class StageRuntime(
     private var activeNs = 0L
     private var waitNs = 0L
     private val started = System.nanoTime()
+    private val startedEpochS = System.currentTimeMillis() / 1e3
+    /** The stage runs the ZeroLock schedule (phase 1, early forwarding, phase 2) whatever is assigned. */
+    private val schedule = "zerolock"
+    private val windowStats = WindowTelemetry(assignment.stage, schedule, counters())
+    /** The last `micro_batch` record. */
     @Volatile var lastTelemetry: Telemetry? = null
+        private set
+    /** The last `window` record. */
+    @Volatile var lastWindowTelemetry: Telemetry? = null
         private set
     @Volatile var failure: Throwable? = null
         private set
 
+    init {
+        stats.takePeakRssBytes() // peaks count from here, not from loading
+    }
+
     private val worker = Thread({ loop() }, "zl-stage-${assignment.stage}").also { it.isDaemon = true; it.start() }
+
+    /** Seconds since the epoch at [nanoTime] (time.time() in zl_mobile), with nanoTime's resolution. */
+    private fun epochS(nanoTime: Long): Double = startedEpochS + (nanoTime - started) / 1e9
+
+    private fun counters(): TelemetryCounters = TelemetryCounters(activeNs / 1e9, waitNs / 1e9, epochS(System.nanoTime()),
+        inbound.bytesReceived, outbound?.bytesSent ?: 0L)
 
     /** STAGE_ASSIGN for the running stage: only the downstream address changes. */
     fun rewire(downstream: String?) { outbound?.setAddress(downstream) }
@@ -137,40 +175,65 @@ class StageRuntime(
         if (w != windows.windowOf(mb)) {
             throw StageError("bad_window", "micro-batch $mb labelled window $w, expected ${windows.windowOf(mb)} for window size ${windows.size}")
         }
-        val t0 = System.nanoTime()
         val lora = trainer.parameters()
+        val t0 = System.nanoTime()
         val p1 = runner.phase1(m.tensors, lora)
-        activeNs += System.nanoTime() - t0
+        val t1 = System.nanoTime()
+        activeNs += t1 - t0
         // early forwarding: h_k goes into the replay buffer and out as soon as a credit allows
         outbound?.publish(Messages.hiddenState(mb, w, p1.h, m.tensors.filterKeys { it != "h" }))
+        val timing = linkedMapOf<String, Any?>("schedule" to schedule, "phase1_start" to epochS(t0), "phase1_end" to epochS(t1),
+            "published" to epochS(System.nanoTime()))
         var taskLoss: Double? = null
         var consisLoss: Double? = null
         var loss: Double? = null
+        var phase2Start: Long? = null
+        var windowComplete = false
         if (trainer.isTrainable(mb)) {
             val t2 = System.nanoTime()
+            phase2Start = t2
             val p2 = runner.phase2(m.tensors, p1, lora)
-            val outcome = trainer.onGradients(mb, p2.grads)
+            windowComplete = trainer.accumulate(mb, p2.grads) == StageTrainer.Outcome.WINDOW_COMPLETE
             activeNs += System.nanoTime() - t2
             loss = p2.loss; taskLoss = p2.taskLoss; consisLoss = p2.consisLoss
-            if (outcome == StageTrainer.Outcome.COMMITTED) {
-                val sha = Handshake.hex(MessageDigest.getInstance("SHA-256").digest(checkpointFile.readBytes()))
-                val cw = trainer.lastCommittedWindow
-                hostOut()?.write(Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf(
-                    "window" to cw, "step" to trainer.optimizerSteps, "sha256" to sha, "stage" to assignment.stage)))
-                inbound.committed(cw, trainer.optimizerSteps, sha)
-            }
         }
-        val (pss, temp) = stats.sample()
+        val (pss, temp) = stats.sample() // after phase 2: near the resting level
+        val peak = stats.takePeakRssBytes() // this micro-batch's peak, phases 1 and 2 included
+        val end = System.nanoTime()
+        if (phase2Start != null) {
+            timing["phase2_start"] = epochS(phase2Start)
+            timing["phase2_end"] = epochS(end)
+            windowStats.add(w, epochS(t1) - epochS(t0), epochS(end) - epochS(phase2Start), loss, taskLoss, consisLoss, peak)
+        }
         val t = Telemetry(
-            stage = assignment.stage, window = w, step = trainer.optimizerSteps,
+            kind = Telemetry.MICRO_BATCH, stage = assignment.stage, window = w, step = trainer.optimizerSteps,
             taskLoss = taskLoss, consisLoss = consisLoss, pssBytes = pss, tempC = temp,
             activeS = activeNs / 1e9, waitS = waitNs / 1e9, loss = loss, microBatch = mb,
-            timeMs = (System.nanoTime() - started) / 1_000_000,
-            extra = linkedMapOf("kind" to "micro_batch", "bytes_in" to inbound.bytesReceived, "bytes_out" to (outbound?.bytesSent ?: 0L)),
+            timeMs = (end - started) / 1_000_000, rssPeakBytes = peak,
+            bytesIn = inbound.bytesReceived, bytesOut = outbound?.bytesSent ?: 0L, extra = timing,
         )
         lastTelemetry = t
         listener.onTelemetry(t)
         hostOut()?.write(t.toMessage())
+        if (windowComplete) endWindow()
+    }
+
+    /** The window's step and checkpoint, its `window` record, then CHECKPOINT_COMMITTED (host and upstream). */
+    private fun endWindow() {
+        val t0 = System.nanoTime()
+        val cw = trainer.commitWindow()
+        val sha = Handshake.hex(MessageDigest.getInstance("SHA-256").digest(checkpointFile.readBytes()))
+        val stepNs = System.nanoTime() - t0
+        activeNs += stepNs
+        val (pss, temp) = stats.sample()
+        windowStats.close(cw, trainer.optimizerSteps, stepNs / 1e9, counters(), pss, temp, stats.takePeakRssBytes())?.let { wt ->
+            lastWindowTelemetry = wt
+            listener.onWindow(wt)
+            hostOut()?.write(wt.toMessage())
+        }
+        hostOut()?.write(Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf(
+            "window" to cw, "step" to trainer.optimizerSteps, "sha256" to sha, "stage" to assignment.stage)))
+        inbound.committed(cw, trainer.optimizerSteps, sha)
     }
 
     /** To the host as ERROR REJECTED (as zl_mobile does): a lost replay, a failed micro-batch. */
