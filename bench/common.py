@@ -110,3 +110,39 @@ def replace_md_section(path: Path, heading: str, body: str, title: str, keep_fro
     section = heading + "\n\n" + body.rstrip("\n") + "\n" + ("\n" + kept if kept else "")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(before + section + ("\n" + after if after else ""))
+
+
+def bench_micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int):
+    """n micro-batches of the synthetic data set, tokenised with the export's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from host.data import encode_examples, load_examples, make_microbatches
+
+    tok = AutoTokenizer.from_pretrained(Path(export_dir) / "tokenizer")
+    examples = load_examples(None)[: n * micro_batch]
+    return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
+
+
+def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *, prefix: str, extra_args=None,
+                  per_phone_args=None, coordinator_cls=None, on_event=None, max_seconds: float = 240.0):
+    """One coordinator run over freshly started emulated phones (real processes), stopped
+    afterwards. A hung run ends with RunError after `max_seconds`. Returns (result, metrics
+    records)."""
+    import dataclasses
+    import json
+
+    from host.coordinator import Coordinator
+    from host.emulate import start_phones
+
+    settings = dataclasses.replace(settings, max_seconds=max_seconds)
+    phones = start_phones(n_phones, Path(root) / "phones", prefix=f"{prefix}{os.getpid()}-",
+                          extra_args=extra_args, per_phone_args=per_phone_args)
+    try:
+        co = (coordinator_cls or Coordinator)(export_dir, [p.handle() for p in phones], mbs, settings,
+                                              Path(root) / "run", run_id="bench", on_event=on_event)
+        result = co.run()
+    finally:
+        for p in phones:
+            p.stop()
+    records = [json.loads(line) for line in (Path(root) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return result, records

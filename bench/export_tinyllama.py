@@ -510,6 +510,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also run one ETDump-profiled step per chunk")
     p.add_argument("--config", default="tinyllama", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     p.add_argument("--no-doc", action="store_true", help="do not rewrite docs/BENCHMARKS.md")
+    p.add_argument("--write-model-dir", type=Path, default=None, metavar="DIR",
+                   help="only write the random-init model (+ the tiny tokenizer) as a Hugging Face model dir, "
+                        "for zl-export --model DIR (e.g. BP programs for bench/pipeline.py), then exit")
     p.add_argument("--results", type=Path, default=RESULTS)
     # internal: the measuring subprocess
     p.add_argument("--worker", choices=["baseline", "run", "profile"], help=argparse.SUPPRESS)
@@ -519,6 +522,13 @@ def main(argv=None) -> int:
     p.add_argument("--profile-out", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
 
+    if a.write_model_dir:
+        from exporter.tiny_tokenizer import build_tiny_tokenizer
+
+        build_model(a.config).save_pretrained(a.write_model_dir)
+        build_tiny_tokenizer().save_pretrained(a.write_model_dir)  # ids < 512 fit any vocab
+        print(f"wrote {a.write_model_dir}")
+        return 0
     if a.worker:
         Path(a.result).write_text(json.dumps(worker(a)))
         return 0

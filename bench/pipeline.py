@@ -29,7 +29,7 @@ Usage:
   python bench/pipeline.py --export DIR [--windows 4] [--methods zerolock,gpipe,1f1b,pipedream]
         [--sweep-methods zerolock,1f1b,pipedream] [--rates none,300,100,50]
         [--stages 2|3|4] [--backend executorch|eager] [--torch-device cpu|cuda] [--cores-per-stage C]
-Results: bench/results/pipeline.json; plots bench/results/pipeline_pss.png, pipeline_link.png.
+Results: bench/results/pipeline.json; plots bench/results/pipeline_pss.png, pipeline_link.png (named after --out).
 """
 from __future__ import annotations
 
@@ -37,27 +37,16 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, machine, now_iso  # noqa: E402
+from common import MiB, REPO, bench_micro_batches, machine, now_iso, run_on_phones  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
 LINKS = {None: "Local", 300.0: "Wi-Fi", 100.0: "Mobile", 50.0: "Constrained"}
-
-
-def micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int):
-    from transformers import AutoTokenizer
-
-    from host.data import encode_examples, load_examples, make_microbatches
-
-    tok = AutoTokenizer.from_pretrained(export_dir / "tokenizer")
-    examples = load_examples(None)[: n * micro_batch]
-    return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
 
 
 def chunk_spec(stages: int) -> tuple[str, int]:
@@ -80,8 +69,6 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     For pipedream the host therefore feeds num_stages-1 extra micro-batches past the end; they are
     forwarded but never stepped, and are left out of every figure (window >= windows)."""
     from host.coordinator import Coordinator
-    from host.emulate import start_phones
-    from zl_mobile.protocol import Message, MsgType
 
     class BenchCoordinator(Coordinator):
         def setup(self):
@@ -98,23 +85,8 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
         a = ["--cpus", ",".join(map(str, mine)), "--threads", str(len(mine)), *phone_args]
         return a + (["--rate-mbit", str(rate)] if rate else [])
 
-    phones = start_phones(n_phones, root / "phones", prefix=f"pb{os.getpid()}-", per_phone_args=args)
-    try:
-        co = BenchCoordinator(export_dir, [p.handle() for p in phones], mbs, settings, root / "run", run_id="bench")
-        # the run loop stops on an error containing this phrase; reuse it to end a hung run
-        timer = threading.Timer(watchdog_s, lambda: co.errors.append(
-            f"bench watchdog: no end after {watchdog_s:.0f} s (stopped as if the replay horizon passed)"))
-        timer.daemon = True
-        timer.start()
-        try:
-            result = co.run()
-        finally:
-            timer.cancel()
-    finally:
-        for p in phones:
-            p.stop()
-    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    return result, records
+    return run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="pb", per_phone_args=args,
+                         coordinator_cls=BenchCoordinator, max_seconds=watchdog_s)
 
 
 def analyse(result, records, chunks, schedule, window_size, micro_batch, windows) -> dict:
@@ -185,7 +157,7 @@ def merge(reps: list) -> dict:
     return out
 
 
-def plots(out_dir: Path, runs: list, methods, sweep_methods, rates) -> list[str]:
+def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = "pipeline") -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -206,7 +178,7 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates) -> list[str]
         a.set_title(title)
         a.legend()
     fig.tight_layout()
-    p = out_dir / "pipeline_pss.png"
+    p = out_dir / f"{stem}_pss.png"
     fig.savefig(p, dpi=110)
     paths.append(str(p))
     plt.close(fig)
@@ -221,7 +193,7 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates) -> list[str]
     ax.set_title("throughput vs link")
     ax.legend()
     fig.tight_layout()
-    p = out_dir / "pipeline_link.png"
+    p = out_dir / f"{stem}_link.png"
     fig.savefig(p, dpi=110)
     paths.append(str(p))
     plt.close(fig)
@@ -247,6 +219,7 @@ def main(argv=None) -> int:
                     help="what every phone runs its chunk on (zl-phone --backend)")
     ap.add_argument("--torch-device", default=None, help="with --backend eager: cpu (default) or cuda")
     ap.add_argument("--cores-per-stage", type=int, default=1, help="CPU cores pinned to each stage (its threads)")
+    ap.add_argument("--max-seconds", type=float, default=180.0, help="give up on a run after this long")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/pipeline.json")
     a = ap.parse_args(argv)
     if a.torch_device and a.backend != "eager":
@@ -284,7 +257,7 @@ def main(argv=None) -> int:
     methods = a.methods.split(",")
     sweep = a.sweep_methods.split(",")
     rates = [None if r == "none" else float(r) for r in a.rates.split(",")]
-    mbs = micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
+    mbs = bench_micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
     stamp = time.strftime("%H%M%S")
     print(f"{len(chunks)} stages, backend {a.backend}{' on ' + a.torch_device if a.torch_device else ''}, "
           f"{a.cores_per_stage} core(s) per stage", flush=True)
@@ -297,7 +270,8 @@ def main(argv=None) -> int:
             t = time.time()
             try:
                 res, recs = run_once(a.export, a.work / f"{stamp}-{time.time_ns()}-{m}-{rate}", settings, mbs,
-                                     len(chunks), rate, phone_args=phone_args, cores_per_stage=a.cores_per_stage)
+                                     len(chunks), rate, phone_args=phone_args, cores_per_stage=a.cores_per_stage,
+                                     watchdog_s=a.max_seconds)
             except Exception as e:
                 print(f"[{m} @ {rate}] FAILED: {e}", flush=True)
                 continue
@@ -358,7 +332,7 @@ def main(argv=None) -> int:
                 if get("zerolock", r) and get(m, r) else "-" for r in rates) + " |")
 
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    pics = plots(a.out.parent, runs, methods, sweep, rates)
+    pics = plots(a.out.parent, runs, methods, sweep, rates, a.out.stem)
     out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
            "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in chunks],
            "saved_activation_bytes": {"zerolock": [c["saved_activation_bytes"] for c in chunks],

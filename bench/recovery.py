@@ -24,17 +24,14 @@ Results: bench/results/recovery.json (raw), printed table.
 from __future__ import annotations
 
 import argparse
-import collections
 import json
-import os
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, machine, median, now_iso  # noqa: E402
+from common import MiB, REPO, bench_micro_batches, machine, median, now_iso, run_on_phones  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -73,60 +70,14 @@ def make_export(out: Path, chunks: str, micro_batch: int, modes=("zerolock",), s
     return out
 
 
-def micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int):
-    from transformers import AutoTokenizer
-
-    from host.data import encode_examples, load_examples, make_microbatches
-
-    tok = AutoTokenizer.from_pretrained(export_dir / "tokenizer")
-    examples = load_examples(None)[: n * micro_batch]
-    return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
-
-
-class _KeepAll(collections.OrderedDict):
-    """A feeder buffer that ignores pruning on downstream commits (see KEEP_FEEDER below)."""
-
-    def __delitem__(self, key):
-        pass
-
-
 def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, phone_args=None,
-             keep_feeder: bool = False, watchdog_s: float = 240.0) -> dict:
-    """One coordinator run over emulated phones. keep_feeder: the host keeps every input
-    micro-batch (it owns the data set, it can always re-read it) instead of pruning the ones
-    stage 0 has committed; the global-rollback baseline needs this because stage 0 may have
-    committed windows past the rollback point (a bug in the current coordinator: it prunes the
-    feed and the rollback then waits forever). watchdog_s: give up on a hung run."""
-    from host.coordinator import Coordinator
-    from host.emulate import start_phones
-
-    class BenchCoordinator(Coordinator):
-        def setup(self):
-            super().setup()
-            if keep_feeder:
-                with self.feeder._cond:
-                    self.feeder._buffer = _KeepAll(self.feeder._buffer)
-
+             max_seconds: float = 240.0) -> dict:
+    """One coordinator run over emulated phones, with the host's events timed as they happen."""
     events = []
-    phones = start_phones(n_phones, root / "phones", prefix=f"rb{os.getpid()}-", extra_args=phone_args)
     t0 = time.time()
-    timer = None
-    try:
-        devices = [p.handle() for p in phones]
-        co = BenchCoordinator(export_dir, devices, mbs, settings, root / "run", run_id="bench",
-                              on_event=lambda k, d: events.append((time.time(), k, d)))
-        # the run loop stops on an error containing this phrase; reuse it to end a hung run
-        timer = threading.Timer(watchdog_s, lambda: co.errors.append(
-            f"bench watchdog: no end after {watchdog_s:.0f} s (stopped as if the replay horizon passed)"))
-        timer.daemon = True
-        timer.start()
-        result = co.run()
-    finally:
-        if timer is not None:
-            timer.cancel()
-        for p in phones:
-            p.stop()
-    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    result, records = run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="rb",
+                                    extra_args=phone_args, max_seconds=max_seconds,
+                                    on_event=lambda k, d: events.append((time.time(), k, d)))
     result["wall_s"] = time.time() - t0
     result["events"] = events
     result["records"] = records
@@ -223,7 +174,7 @@ def main(argv=None) -> int:
     ecfg = man.get("export", {})
     mb_size, seq = ecfg.get("micro_batch", 1), ecfg.get("seq_len", 128)
     n_stages = len(man["chunks"])
-    mbs = micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
+    mbs = bench_micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
     phone_args = ["--rate-mbit", str(a.rate_mbit)] if a.rate_mbit else None
     base_kw = dict(windows=a.windows, window_size=a.window_size, inflight_depth=a.inflight_depth, lr=2e-3,
                    replay_horizon=a.replay_horizon or 4 * a.window_size)
@@ -239,8 +190,7 @@ def main(argv=None) -> int:
         root = a.work / f"{stamp}-{i}-{name}"
         t = time.time()
         try:
-            res = run_once(a.export, root, settings, mbs, n_stages, phone_args,
-                           keep_feeder=settings.recovery == "global-rollback")
+            res = run_once(a.export, root, settings, mbs, n_stages, phone_args)
         except Exception as e:  # keep going: report what failed
             print(f"[{name}] FAILED: {e}", flush=True)
             runs.append({"config": name, "failed": str(e), "recoveries": []})

@@ -110,11 +110,33 @@ def worker(export_dir: Path, chunk: int, micro_batches: int, window: int, gap_s:
                     raise RuntimeError(f"stage {chunk} did not finish micro-batch {mb} within 600 s")
             time.sleep(gap_s)
         marks["end"] = memory_snapshot()
+        marks["pss_by_mapping"] = pss_by_mapping(export_dir)  # resting, after the last pause
         feed.close()
         stage.stop()
     tel = [dict(m.meta) for m in events if m.type == MsgType.TELEMETRY]
     errors = [m.meta for m in events if m.type == MsgType.ERROR]
     return {"marks": marks, "telemetry": tel, "errors": errors, "fed_at": fed_at}
+
+
+def pss_by_mapping(export_dir: Path) -> dict:
+    """This process's PSS split by what backs it (from /proc/self/smaps): the chunk's weights
+    file (.ptd), its program (.pte), other files (shared libraries: torch, ExecuTorch, ...) and
+    anonymous memory (heap: arenas, XNNPACK buffers, Python objects, tensors)."""
+    parts = {"weights (.ptd)": 0, "program (.pte)": 0, "libraries and other files": 0, "anonymous (heap)": 0}
+    kind = "anonymous (heap)"
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return {}
+    for line in lines:
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
+            path = head[5] if len(head) > 5 else ""
+            kind = ("weights (.ptd)" if path.endswith(".ptd") else "program (.pte)" if path.endswith(".pte")
+                    else "libraries and other files" if path.startswith("/") else "anonymous (heap)")
+        elif line.startswith("Pss:"):
+            parts[kind] += int(head[1]) * 1024
+    return parts
 
 
 def run_sampled(cmd: list[str], interval_s: float) -> list[tuple[float, int]]:
@@ -167,6 +189,7 @@ def analyse(run: dict, manifest: dict, entry: dict, export_dir: Path) -> dict:
         "phase1_s": statistics.median(t["phase1_end"] - t["phase1_start"] for t in tel),
         "phase2_s": statistics.median(t["phase2_end"] - t["phase2_start"] for t in tel),
         "samples": len(samples),
+        "pss_by_mapping_at_rest": run["marks"].get("pss_by_mapping", {}),
     }
 
 
@@ -222,6 +245,9 @@ def markdown(row: dict, meta: dict) -> str:
         f"{mib(row['pss_rest'])} | {mib(row['pss_peak'])} | {mib(row['rss_peak'])} | "
         f"{row['peak_over_floor']:.2f}x ({ok}, target {TARGET}x) | {mib(row['pss_after_phase2_median'])} | "
         f"{back:.3f} | {row['phase1_s'] * 1000:,.0f} ms | {row['phase2_s'] * 1000:,.0f} ms |",
+        "",
+        "Where the resting PSS goes (from `/proc/self/smaps` after the last pause): "
+        + ", ".join(f"{k} {mib(v)}" for k, v in row["pss_by_mapping_at_rest"].items()) + ".",
         "",
         "![stage memory](../bench/results/stage_memory.png)",
         "",
@@ -283,6 +309,8 @@ def main(argv=None) -> int:
     print(f"{'peak PSS / floor':>26}: {row['peak_over_floor']:.2f}x (target {TARGET}x)")
     print(f"{'peak RSS / floor':>26}: {row['rss_peak_over_floor']:.2f}x")
     print(f"{'after phase 2 / rest':>26}: {row['after_phase2_over_rest']:.3f}")
+    for k, v in row["pss_by_mapping_at_rest"].items():
+        print(f"{'PSS at rest, ' + k:>40}: {mib(v)}")
     if not a.no_doc:
         replace_md_section(REPO / "docs" / "BENCHMARKS.md", "## Stage memory (zl_mobile)", markdown(row, meta),
                            "ZeroLock benchmarks", keep_from="### Findings")

@@ -20,7 +20,7 @@ from .marker import pipeline_marker
 
 def add_lora(model, cfg: ExportConfig):
     """Wrap the full HF model with peft LoRA (so parameter names match what peft saves)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
     for p in model.parameters():
         p.requires_grad_(False)

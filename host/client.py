@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 
 from zl_mobile.connection import Connection, connect
-from zl_mobile.protocol import ConnectionClosed, ErrorCode, Message, MsgType, ProtocolError, host_handshake
+from zl_mobile.protocol import ConnectionClosed, Message, MsgType, ProtocolError, host_handshake
 
 log = logging.getLogger("host.client")
 CHUNK_BYTES = 1 << 20

@@ -115,8 +115,12 @@ class Transport:
                     raise ConnectionError(f"bad magic on command {cmd:#x}")
                 data = _recv_exact(self.sock, n) if n else b""
                 self._dispatch(cmd, arg0, arg1, data)
-        except (ConnectionError, OSError):
-            pass
+        except BaseException as e:
+            import traceback, time as _t
+            with open('/tmp/zl_adbd_diag.log', 'a') as f:
+                f.write(f"{_t.strftime('%H:%M:%S')} transport {self.d.port} ended: {e!r}\n{traceback.format_exc()}\n")
+            if not isinstance(e, (ConnectionError, OSError)):
+                raise
         finally:
             for s in list(self.streams.values()):
                 s.closed = True

@@ -6,7 +6,7 @@ import torch
 from peft import get_peft_model
 from transformers import LlamaForCausalLM
 
-from exporter.chunk_model import PROBE, PROBE_GRAD, BPChunkModel, bp_example_inputs, bp_input_names, lora_config
+from exporter.chunk_model import PROBE, PROBE_GRAD, bp_example_inputs, bp_input_names, lora_config
 from exporter.lower import joint_program
 from exporter.manifest import ManifestError, chunk_entry_for, load_manifest
 from exporter.two_phase import split_at_marker

@@ -1,9 +1,6 @@
 """The exported programs are right: program == eager, two-phase == one-method, no forward
 recompute in phase 2, and a few optimizer steps follow the eager trajectory."""
-import json
-
 import pytest
-
 import torch
 from peft import get_peft_model
 from safetensors.torch import load_file
@@ -13,7 +10,7 @@ from exporter.chunk_model import example_inputs, input_names, lora_config, peft_
 from exporter.lower import joint_program, lower_joint
 from exporter.manifest import load_manifest
 from exporter.two_phase import split_at_marker
-from exporter.verify import TOLERANCE, eager_step, sample_lora, verify_all, verify_chunk
+from exporter.verify import TOLERANCE, sample_lora, verify_all, verify_chunk
 from zl_mobile.program import ChunkProgram
 
 

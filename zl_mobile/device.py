@@ -21,7 +21,7 @@ from .program import ProgramError
 from .protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
                        device_handshake)
 from .stage import Stage, StageConfig
-from .telemetry import read_pss_bytes, total_memory_bytes
+from .telemetry import total_memory_bytes
 
 log = logging.getLogger("zl_mobile.device")
 
