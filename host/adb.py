@@ -13,6 +13,7 @@ import shlex
 import shutil
 import socket
 import subprocess
+import time
 from dataclasses import dataclass, field
 
 DEFAULT_HOST = "127.0.0.1"
@@ -252,6 +253,27 @@ def reverse_list(serial: str, *, host: str = DEFAULT_HOST, port: int | None = No
     """(phone side, host side) of the phone's reverse forwards."""
     dev = _device(serial, host, port)
     return [(r.remote, r.local) for r in _adb_call(serial, "reverse --list", dev.reverse_list)]
+
+
+def wait_ready(serial: str, timeout: float, *, host: str = DEFAULT_HOST, port: int | None = None,
+               poll: float = 0.2) -> bool:
+    """Wait up to ``timeout`` s until the adb server lists ``serial`` as 'device' (ready); True
+    if it does. A phone can drop off adb for a moment (a USB glitch or re-enumeration, adbd
+    restarting; the server reconnects an 'adb connect' device by itself) and is listed 'offline'
+    or not at all meanwhile."""
+    import adbutils
+
+    deadline = time.monotonic() + max(0.0, timeout)
+    while True:
+        try:
+            if any(d.serial == serial and d.state == "device" for d in _client(host, port).list()):
+                return True
+        except (adbutils.AdbError, OSError):
+            pass
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return False
+        time.sleep(min(poll, left))
 
 
 def _free_local_port() -> int:

@@ -17,7 +17,9 @@ carries them out with the thin wrappers in :mod:`host.adb` and undoes them at th
 """
 from __future__ import annotations
 
+import functools
 import ipaddress
+import re
 import shlex
 import threading
 import time
@@ -31,6 +33,8 @@ APP_PORT = 47474              # the app's control port (kotlin_app TrainingServi
 DATA_PORT = 47475             # the inbound link port the host asks an adb phone's stage to use
 STAGING_DIR = "/data/local/tmp/zerolock"   # adb shell can write here; the app's run-as can read it
 APP_FILES_DIR = "files/programs"           # relative to the app's data dir (run-as's working dir)
+CLEANUP_WAIT_S = 10.0   # how long cleanup waits, in all, for phones that dropped off adb for a moment
+_LISTENER_GONE = re.compile(r"listener '[^']*' not found")   # adbd: no such reverse (any more)
 
 
 class WiringError(Exception):
@@ -107,8 +111,10 @@ class AdbLinks:
 
     def __init__(self, *, host: str = adb.DEFAULT_HOST, port: int | None = None,
                  package: str = APP_PACKAGE, app_port: int = APP_PORT, data_port: int = DATA_PORT,
-                 staging_dir: str = STAGING_DIR, files_dir: str = APP_FILES_DIR, on_event=None):
+                 staging_dir: str = STAGING_DIR, files_dir: str = APP_FILES_DIR, on_event=None,
+                 cleanup_wait: float = CLEANUP_WAIT_S):
         self.kw = {"host": host, "port": port}
+        self.cleanup_wait = cleanup_wait
         self.package, self.app_port, self.data_port = package, app_port, data_port
         self.staging_dir, self.files_dir = staging_dir.rstrip("/"), files_dir.rstrip("/")
         self.on_event = on_event or (lambda kind, data: None)
@@ -222,45 +228,79 @@ class AdbLinks:
 
     # ---- the end
     def close(self) -> list[str]:
-        """Remove every forward and reverse this run made; returns what could not be removed."""
+        """Remove every forward and reverse this run made; returns what could not be removed
+        (one line each).
+
+        A phone that is off adb at that moment (listed 'offline' or not at all: a USB glitch, the
+        adb server reconnecting it) is waited for, up to ``cleanup_wait`` s for the whole
+        cleanup, and asked again. A reverse the phone no longer has counts as removed: adbd
+        drops the reverses of a connection that drops (and the adb server its forwards)."""
         left = []
         with self._lock:
             forwards, reverses = dict(self._forwards), dict(self._reverses)
             self._forwards.clear()
             self._reverses.clear()
+        deadline = time.monotonic() + self.cleanup_wait
         for (serial, _), local in forwards.items():
-            try:
-                adb.forward_remove(serial, local, **self.kw)
-            except adb.AdbCommandError as e:
-                left.append(str(e))
+            left += self._undo(serial, functools.partial(adb.forward_remove, serial, local, **self.kw), deadline)
         for (serial, _), phone in reverses.items():
-            try:
-                adb.reverse_remove(serial, phone, **self.kw)
-            except adb.AdbCommandError as e:
-                left.append(str(e))
+            left += self._undo(serial, functools.partial(adb.reverse_remove, serial, phone, **self.kw), deadline)
         return left
+
+    def _undo(self, serial: str, remove, deadline: float, attempts: int = 3) -> list[str]:
+        """Run ``remove`` until it succeeds; between tries wait (until ``deadline``) for the
+        phone to be ready again. [] when done, else the last error."""
+        for _ in range(attempts):
+            try:
+                remove()
+                return []
+            except adb.AdbCommandError as e:
+                if _LISTENER_GONE.search(str(e)):
+                    return []
+                problem = str(e)
+            if not adb.wait_ready(serial, deadline - time.monotonic(), **self.kw):
+                break
+        return [problem]
 
 
 class AdbSampler:
-    """Reads PSS and battery temperature of the adb phones every ``period`` s, for the metrics."""
+    """Reads PSS and battery temperature of the adb phones every ``period`` s, for the metrics.
 
-    def __init__(self, links: AdbLinks, serials: dict[str, str], emit, period: float = 5.0):
+    :meth:`start` takes the first sample of every phone (at once, up to ``first_wait`` s) before
+    it returns, so that each phone has a sample before training starts, however short the run:
+    a first pass in the background could still be running when a short run ends, and what it
+    emits after the run's last event is never written."""
+
+    def __init__(self, links: AdbLinks, serials: dict[str, str], emit, period: float = 5.0,
+                 first_wait: float = 10.0):
         self.links, self.serials, self.emit, self.period = links, serials, emit, period
+        self.first_wait = first_wait
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="adb-sampler", daemon=True)
 
     def start(self) -> "AdbSampler":
         if self.serials:
+            first = [threading.Thread(target=self._sample, args=item, name=f"adb-sample-{item[0]}", daemon=True)
+                     for item in self.serials.items()]
+            for t in first:
+                t.start()
+            deadline = time.monotonic() + self.first_wait
+            for t in first:
+                t.join(max(0.0, deadline - time.monotonic()))
             self._thread.start()
         return self
 
+    def _sample(self, name: str, serial: str) -> None:
+        rec = self.links.sample(serial)
+        if rec:
+            self.emit(name, {"kind": "adb_dumpsys", "serial": serial, "time_ms": int(time.time() * 1000), **rec})
+
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while not self._stop.wait(self.period):
             for name, serial in self.serials.items():
-                rec = self.links.sample(serial)
-                if rec:
-                    self.emit(name, {"kind": "adb_dumpsys", "serial": serial, "time_ms": int(time.time() * 1000), **rec})
-            self._stop.wait(self.period)
+                if self._stop.is_set():
+                    return
+                self._sample(name, serial)
 
     def stop(self) -> None:
         self._stop.set()

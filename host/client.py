@@ -45,6 +45,7 @@ class DeviceClient:
         sock.settimeout(None)
         self.conn = Connection(sock)
         self.last_heard = time.time()
+        self.quiet_until = 0.0  # a device inside a long computation said it may be silent until then
         self._ids = itertools.count(1)
         self._waiters: dict[int, "queue.Queue[Message]"] = {}
         self._lock = threading.Lock()
@@ -60,6 +61,8 @@ class DeviceClient:
             while True:
                 msg = self.conn.recv()
                 self.last_heard = time.time()
+                if msg.type == MsgType.HEARTBEAT and "busy_ms" in msg.meta:  # see PROTOCOL.md, HEARTBEAT
+                    self.quiet_until = self.last_heard + msg["busy_ms"] / 1000.0
                 rid = msg.get("request_id") if msg.type in (MsgType.ACK, MsgType.STATE_PUT, MsgType.ERROR) else None
                 if msg.type == MsgType.FILE_RESULT:
                     rid = -msg["transfer_id"]

@@ -142,12 +142,14 @@ class Coordinator:
     def _assign(self, st: StageState, rollback_to: int | None = None) -> None:
         s = self.settings
         nxt = self.stages[st.k + 1] if st.k + 1 < len(self.stages) else None
-        conf = {"lr": s.lr, "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches}
+        conf = {"lr": s.lr, "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches,
+                "busy_ms": int(s.compute_timeout * 1000)}
         if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
             conf["keep_checkpoints"] = s.horizon // s.window_size + 3
         if s.alpha is not None:
             conf["alpha"] = s.alpha
-        mine = [{"window": f["window"], "point": f.get("point", "after-phase1")}
+        mine = [{"window": f["window"], "point": f.get("point", "after-phase1"),
+                 **({"seconds": f["seconds"]} if "seconds" in f else {})}
                 for f in (s.inject_failure or []) if f.get("stage") == st.k]
         if mine:
             conf["inject_failure"] = mine
@@ -260,7 +262,8 @@ class Coordinator:
     def _check_heartbeats(self) -> None:
         now = time.time()
         for st in self.stages:
-            if st.client is not None and st.failed_at is None and now - st.client.last_heard > self.settings.heartbeat_timeout:
+            if (st.client is not None and st.failed_at is None and now > st.client.quiet_until
+                    and now - st.client.last_heard > self.settings.heartbeat_timeout):
                 self._recover(st, f"no heartbeat for {now - st.client.last_heard:.1f} s")
 
     # ---- recovery (the seed's Algorithm 3): only the failed stage restarts and replays

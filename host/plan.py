@@ -18,6 +18,7 @@ class RunSettings:
     weight_decay: float = 0.0
     alpha: float | None = None    # override of the export's alpha
     heartbeat_timeout: float = 5.0
+    compute_timeout: float = 600.0  # a single runtime call (phase 1 or 2) may keep a stage silent this long
     rejoin_timeout: float = 60.0  # how long to wait for a failed real phone to come back
     inject_failure: list | None = None  # [{"stage": K, "window": W, "point": ...}, ...]
     recovery: str = "local"       # or "global-rollback"

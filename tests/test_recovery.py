@@ -78,3 +78,21 @@ def test_failure_past_the_replay_horizon_is_reported_not_skipped(baseline, tmp_p
                            inject_failure=[{"stage": 1, "window": 1, "point": "before-commit"}])
     with pytest.raises(RunError, match=r"replay horizon passed: micro-batches 2-\d+ .* lost"):
         run_pipeline(out, tmp_path, settings, mbs)
+
+
+def test_a_long_runtime_call_is_not_taken_for_a_dead_phone(baseline, tmp_path):
+    """The runtime holds the interpreter while it computes, so a phone's heartbeat thread is
+    silent for as long as a phase lasts (seconds per phase at TinyLlama size). The stage says
+    so beforehand (HEARTBEAT busy_ms): a phase far longer than the heartbeat timeout is no failure."""
+    out, mbs, base, base_records = baseline
+    events = []
+    stall = {"stage": 1, "window": 1, "point": "hold-gil-in-phase1", "seconds": 4.0}
+    settings = RunSettings(**SETTINGS, heartbeat_timeout=1.0, inject_failure=[stall])
+    result, records = run_pipeline(out, tmp_path, settings, mbs, on_event=lambda k, d: events.append((k, d)))
+    assert [d for k, d in events if k == "failure"] == [] and result["recoveries"] == []
+    stalled = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"
+               and (r["stage"], r["window"]) == (1, 1)]
+    assert max(r["phase1_end"] - r["phase1_start"] for r in stalled) >= 4.0  # the stall did happen
+    assert _commits(records) == _commits(base_records)
+    diff = max(float(np.abs(result["lora"][n] - base["lora"][n]).max()) for n in base["lora"])
+    assert diff <= 1e-6

@@ -7,8 +7,10 @@ may then prune its replay buffer). After a restart the stage resumes at the firs
 after its last committed window, so no window is lost or applied twice."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +30,7 @@ from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_p
 
 log = logging.getLogger("zl_mobile.stage")
 FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint")
+STALL_POINT = "hold-gil-in-phase1"  # not a failure: phase 1 holds the interpreter for `seconds` more
 FAILURE_EXIT_CODE = 86
 
 
@@ -51,6 +54,7 @@ class StageConfig:
     total_micro_batches: int | None = None
     rollback_to_window: int | None = None  # global-rollback baseline: restart from this window's checkpoint
     inject_failure: list | None = None  # [{"window": W, "point": one of FAILURE_POINTS}, ...]
+    busy_ms: int = 600_000  # the longest a runtime call may keep this stage silent (HEARTBEAT busy_ms)
     extra: dict = field(default_factory=dict)
 
     @classmethod
@@ -63,7 +67,7 @@ class StageConfig:
                    schedule=meta.get("schedule", "zerolock"), lr=conf.get("lr", 1e-3),
                    weight_decay=conf.get("weight_decay", 0.0), alpha=conf.get("alpha"),
                    keep_checkpoints=conf.get("keep_checkpoints", 2), total_micro_batches=conf.get("total_micro_batches"), rollback_to_window=conf.get("rollback_to_window"),
-                   inject_failure=conf.get("inject_failure"))
+                   inject_failure=conf.get("inject_failure"), busy_ms=conf.get("busy_ms", 600_000))
 
 
 class Stage:
@@ -192,7 +196,8 @@ class Stage:
         # PipeDream's weight stashing: the backward must use the weights this forward used
         lora = {n: t.clone() for n, t in self.lora.items()} if self.cfg.schedule == "pipedream" else self.lora
         t0 = time.time()
-        with self.clock.span("phase1"):
+        with self.clock.span("phase1"), self._busy():
+            self._maybe_stall(w)
             h, saved = self.program.phase1(lora, {**batch, **self._probe})
         t1 = time.time()
         if self.outbound is not None:
@@ -209,7 +214,7 @@ class Stage:
         """ZeroLock phase 2: local loss and LoRA grads from what phase 1 saved."""
         p = self._pending.pop(mb)
         t0 = time.time()
-        with self.clock.span("phase2"):
+        with self.clock.span("phase2"), self._busy():
             res = self.program.phase2(p["lora"], p["saved"], p["batch"])
         p["t"]["phase2_start"] = t0
         del p["saved"]  # saved activations go as soon as phase 2 has run
@@ -224,7 +229,7 @@ class Stage:
             g = self._wait(self.grads_in, mb)
             values["grad_h_out"] = torch.from_numpy(np.ascontiguousarray(g.tensors["grad_h"]))
         t0 = time.time()
-        with self.clock.span("phase2"):
+        with self.clock.span("phase2"), self._busy():
             out = self.program.run("phase2", values)
         del p["saved"], values
         p["t"]["phase2_start"] = t0
@@ -310,6 +315,31 @@ class Stage:
         self.to_host(Message(MsgType.CHECKPOINT_COMMITTED, {"window": w, "step": self.opt.step_count, "sha256": sha,
                                                             "stage": self.k}))
         self.inbound.committed(w, self.opt.step_count, sha)
+
+    @contextlib.contextmanager
+    def _busy(self):
+        """Tell the host before a runtime call that this stage may be silent for a while: the
+        ExecuTorch binding holds the Python interpreter while it computes, so the heartbeat
+        thread cannot run until the call returns (PROTOCOL.md, HEARTBEAT busy_ms)."""
+        self.to_host(Message(MsgType.HEARTBEAT, {"seq": 0, "busy_ms": self.cfg.busy_ms}))
+        try:
+            yield
+        finally:
+            self.to_host(Message(MsgType.HEARTBEAT, {"seq": 0, "busy_ms": 0}))
+
+    def _maybe_stall(self, window: int) -> None:
+        """Test hook: hold the interpreter like a long runtime call would (no other thread runs)."""
+        for sp in self.cfg.inject_failure or []:
+            if sp.get("point") == STALL_POINT and sp.get("window") == window and not sp.get("_done"):
+                sp["_done"] = True
+                old = sys.getswitchinterval()
+                sys.setswitchinterval(sp["seconds"] + 1.0)
+                try:
+                    end = time.time() + sp["seconds"]
+                    while time.time() < end:
+                        pass
+                finally:
+                    sys.setswitchinterval(old)
 
     # ---- fault injection (tests, benchmarks): kill this process at a named point, once
     def _maybe_fail(self, point: str, window: int) -> None:
