@@ -4,7 +4,8 @@ way they drive a phone on USB. It is not an Android device and fakes no Android 
 beyond what the host uses; everything it does is done for real on this machine:
 
 - transport: CNXN / OPEN / OKAY / WRTE / CLSE (protocol version 0x01000001, no AUTH, no TLS),
-  one OKAY per WRTE both ways (no delayed-ack feature);
+  one OKAY per WRTE both ways (no delayed-ack feature); as in adbd, a failing stream (its local
+  socket reset or closed, a file error) closes that stream only (CLSE), never the connection;
 - ``shell:<cmd>``: run by /bin/sh in the sandbox dir (stdout and stderr merged, like shell v1);
   ``sandbox/bin`` comes first on PATH, where tests put thin stand-ins for Android commands
   (``run-as``, ``dumpsys``) that this machine lacks;
@@ -16,7 +17,11 @@ beyond what the host uses; everything it does is done for real on this machine:
 - ``reverse:forward:[norebind:]tcp:P;tcp:Q``, ``reverse:killforward:tcp:P``,
   ``reverse:killforward-all``, ``reverse:list-forward``: listen on 127.0.0.1:P (P = 0 picks a
   port and reports it) and open ``tcp:Q`` towards the adb server for each connection, as adbd
-  does for ``adb reverse``.
+  does for ``adb reverse``; like adbd's, a reverse belongs to the connection that made it and
+  is dropped when that connection drops.
+
+:meth:`EmulatedAdbd.drop_connection` does what a USB glitch does to a phone: the connection to the
+adb server drops, the server reconnects, and the device is listed 'offline' until it answers.
 
 Run ``python -m tests.emulated_adbd --sandbox DIR`` to try it by hand: it prints the port to
 ``adb connect`` to.
@@ -29,6 +34,7 @@ import socket
 import struct
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 A_SYNC, A_CNXN, A_OPEN, A_OKAY = 0x434E5953, 0x4E584E43, 0x4E45504F, 0x59414B4F
@@ -55,8 +61,8 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
 class Stream:
     """One ADB stream: our id, the server's id, and one-WRTE-in-flight flow control."""
 
-    def __init__(self, transport: "Transport", local_id: int, remote_id: int):
-        self.t, self.local_id, self.remote_id = transport, local_id, remote_id
+    def __init__(self, transport: "Transport", local_id: int, remote_id: int, service: str = ""):
+        self.t, self.local_id, self.remote_id, self.service = transport, local_id, remote_id, service
         self._okay = threading.Event()
         self._okay.set()
         self.closed = False
@@ -82,7 +88,15 @@ class Stream:
             self._okay.set()
             self.t.send(A_CLSE, self.local_id, self.remote_id)
             self.t.streams.pop(self.local_id, None)
-            self.on_close()
+            self.t.guard(self, self.on_close)
+
+    def gone(self) -> None:
+        """The server closed this stream (CLSE), or the connection dropped: no CLSE back."""
+        self.closed = True
+        self._okay.set()
+        if self.opened is not None:
+            self.opened.set()
+        self.t.guard(self, self.on_close)
 
 
 class Transport:
@@ -107,6 +121,19 @@ class Transport:
         with self._idlock:
             return next(self._ids)
 
+    def guard(self, stream: Stream, handler, *args) -> None:
+        """Run one stream's handler. If it fails (its local socket was reset or closed under it,
+        a file error), that stream is closed and the failure recorded in ``errors``; the
+        connection and its other streams go on, as in adbd, where a failing local socket sends
+        CLSE for its stream only. (Letting the error end :meth:`run` would drop the whole device
+        off the adb server: 'offline' until the server reconnects.)"""
+        try:
+            handler(*args)
+        except Exception as e:  # noqa: BLE001 - any failure of one stream stays in that stream
+            self.d.errors.append(f"{stream.service or 'stream'} {stream.local_id}: {e!r}")
+            if not stream.closed:
+                stream.close()
+
     def run(self) -> None:
         try:
             while True:
@@ -115,30 +142,32 @@ class Transport:
                     raise ConnectionError(f"bad magic on command {cmd:#x}")
                 data = _recv_exact(self.sock, n) if n else b""
                 self._dispatch(cmd, arg0, arg1, data)
-        except BaseException as e:
-            import traceback, time as _t
-            with open('/tmp/zl_adbd_diag.log', 'a') as f:
-                f.write(f"{_t.strftime('%H:%M:%S')} transport {self.d.port} ended: {e!r}\n{traceback.format_exc()}\n")
-            if not isinstance(e, (ConnectionError, OSError)):
-                raise
+        except (ConnectionError, OSError):
+            pass
         finally:
+            self.d.connection_closed(self)
             for s in list(self.streams.values()):
-                s.closed = True
-                s.on_close()
+                s.gone()
             self.streams.clear()
             self.sock.close()
 
     def _dispatch(self, cmd, arg0, arg1, data) -> None:
         if cmd == A_CNXN:
             self.max_payload = min(arg1, MAX_PAYLOAD)
+            self.d.stay_offline()
             self.send(A_CNXN, VERSION, self.max_payload, self.d.banner())
         elif cmd == A_OPEN:
-            service = data.rstrip(b"\0").decode()
-            stream = Stream(self, self.new_id(), arg0)
+            service = data.rstrip(b"\0").decode(errors="replace")
+            stream = Stream(self, self.new_id(), arg0, service)
             self.streams[stream.local_id] = stream
-            if self.d.open_service(service, stream):
+            try:
+                ok = self.d.open_service(service, stream)
+            except Exception as e:  # noqa: BLE001 - a service that cannot start fails its OPEN only
+                self.d.errors.append(f"{service}: {e!r}")
+                ok = False
+            if ok:
                 self.send(A_OKAY, stream.local_id, arg0)
-                stream.started()
+                self.guard(stream, stream.started)
             else:
                 self.streams.pop(stream.local_id, None)
                 self.send(A_CLSE, 0, arg0)
@@ -155,15 +184,11 @@ class Transport:
                 self.send(A_CLSE, 0, arg0)
                 return
             self.send(A_OKAY, s.local_id, s.remote_id)
-            s.on_data(data)
+            self.guard(s, s.on_data, data)
         elif cmd == A_CLSE:
             s = self.streams.pop(arg1, None)
             if s is not None:
-                s.closed = True
-                s._okay.set()
-                if s.opened is not None:
-                    s.opened.set()
-                s.on_close()
+                s.gone()
         elif cmd in (A_AUTH, A_STLS, A_SYNC):
             raise ConnectionError(f"command {cmd:#x} is not supported by the emulated adbd")
 
@@ -295,6 +320,12 @@ class EmulatedAdbd:
         self.shell_log: list[str] = []   # every shell command, for tests to inspect
         self.services: list[str] = []    # every service the adb server opened
         self.pushed: list[str] = []      # every file written through sync SEND
+        self.errors: list[str] = []      # every stream that failed (and was closed alone)
+        self.connections = 0             # connections the adb server made (1 unless it reconnected)
+        self.offline_until = 0.0         # time.monotonic() before which a new CNXN is not answered
+        self._transports: set[Transport] = set()
+        self._lock = threading.Lock()
+        self._closing = threading.Event()
         self._closed = False
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -313,14 +344,46 @@ class EmulatedAdbd:
             except OSError:
                 return
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=Transport(self, sock).run, daemon=True).start()
+            transport = Transport(self, sock)
+            with self._lock:
+                self.connections += 1
+                self._transports.add(transport)
+            threading.Thread(target=transport.run, daemon=True).start()
+
+    def connection_closed(self, transport: Transport) -> None:
+        """adbd's listener_disconnect: the reverses made over a connection go with it."""
+        with self._lock:
+            self._transports.discard(transport)
+            for port, (lsock, _, t) in list(self.reverses.items()):
+                if t is transport:
+                    lsock.close()
+                    del self.reverses[port]
+
+    def drop_connection(self, offline_for: float = 0.0) -> None:
+        """What a USB glitch does: the connection(s) to the adb server drop (taking their reverses
+        with them); the server reconnects at once, and the device stays 'offline' there until
+        it answers the new CNXN, ``offline_for`` seconds from now."""
+        self.offline_until = time.monotonic() + offline_for
+        with self._lock:
+            transports = list(self._transports)
+        for t in transports:
+            try:
+                t.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def stay_offline(self) -> None:
+        """Hold back the answer to a CNXN until ``offline_until`` (or close())."""
+        self._closing.wait(max(0.0, self.offline_until - time.monotonic()))
 
     def close(self) -> None:
         self._closed = True
+        self._closing.set()
         self.srv.close()
-        for lsock, _, _ in list(self.reverses.values()):
-            lsock.close()
-        self.reverses.clear()
+        with self._lock:
+            for lsock, _, _ in list(self.reverses.values()):
+                lsock.close()
+            self.reverses.clear()
 
     # ---- services
     def open_service(self, service: str, stream: Stream) -> bool:
@@ -366,6 +429,10 @@ class EmulatedAdbd:
         return True
 
     def _reverse(self, request: str, transport: Transport) -> bytes:
+        with self._lock:  # connection_closed (another thread) drops reverses too
+            return self._reverse_locked(request, transport)
+
+    def _reverse_locked(self, request: str, transport: Transport) -> bytes:
         def okay(text: str | None = None) -> bytes:
             return b"OKAY" + (f"{len(text):04x}{text}".encode() if text is not None else b"")
 
@@ -419,7 +486,7 @@ class EmulatedAdbd:
                 sock, _ = lsock.accept()
             except OSError:
                 return
-            stream = Stream(transport, transport.new_id(), 0)
+            stream = Stream(transport, transport.new_id(), 0, target)
             stream.opened = threading.Event()
             transport.streams[stream.local_id] = stream
             _pump_socket(stream, sock)

@@ -15,7 +15,9 @@ import os
 import secrets
 import shutil
 import socket
+import struct
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -194,6 +196,88 @@ def test_forward_reverse_push_on_an_emulated_usb_device(adb_server, tmp_path):
             adb.push(serial, str(src), "/elsewhere/w.bin")
     finally:
         adbd.close()
+
+
+def test_a_failing_stream_does_not_take_the_device_off_adb(adb_server, tmp_path):
+    """A forwarded connection whose far end resets while adbd is writing to it: the emulated adbd
+    closes that stream only (adbd sends CLSE for it); the device stays attached on its first
+    connection and keeps its forward. (The error once ended the whole connection: the adb server
+    listed the device 'offline' until it reconnected, and a cleanup at that moment failed.)"""
+    adbd = EmulatedAdbd(tmp_path / "dev")
+    srv = socket.socket()
+    srv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)   # fills at once: adbd blocks writing
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    try:
+        serial = attach(adbd, adb_server)
+        local = adb.forward(serial, 0, srv.getsockname()[1])
+        c = socket.create_connection(("127.0.0.1", local), timeout=10)
+
+        def send():
+            try:
+                c.sendall(b"x" * (32 << 20))
+            except OSError:
+                pass
+
+        sender = threading.Thread(target=send, daemon=True)
+        sender.start()
+        far, _ = srv.accept()   # never reads; once everything between is full, reset it
+        time.sleep(1.5)
+        far.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        far.close()
+        sender.join(10)
+        c.close()
+        time.sleep(0.5)
+        assert adbd.connections == 1, adbd.errors
+        assert [p.state for p in adb.list_adb_devices() if p.serial == serial] == ["device"]
+        assert ("tcp:%d" % local, "tcp:%d" % srv.getsockname()[1]) in adb.forward_list(serial)
+        adb.forward_remove(serial, local)
+    finally:
+        srv.close()
+        adbd.close()
+
+
+def test_cleanup_waits_for_a_phone_briefly_off_adb(adb_server, tmp_path):
+    """At cleanup a phone is 'offline' for a moment (a USB glitch: the connection drops, the
+    server reconnects, the device answers a second later). close() waits for it and asks again;
+    the reverse went with the dropped connection (adbd drops them), so nothing is left and
+    nothing is reported. A phone that does not come back is reported in one line per item."""
+    import adbutils
+
+    adbd = EmulatedAdbd(tmp_path / "dev")
+    try:
+        serial = attach(adbd, adb_server)
+        links = AdbLinks(data_port=0, staging_dir=str(tmp_path / "staging"))
+        target = _free_port()
+        links.forward(serial, APP_PORT)
+        phone = links.reverse(serial, target)
+        assert ("tcp:%d" % phone, "tcp:%d" % target) in adb.reverse_list(serial)
+        adbd.drop_connection(offline_for=2.0)
+        deadline = time.time() + 10
+        while time.time() < deadline and [p.state for p in adb.list_adb_devices() if p.serial == serial] == ["device"]:
+            time.sleep(0.02)
+        assert [p.state for p in adb.list_adb_devices() if p.serial == serial] != ["device"]
+        with pytest.raises(adb.AdbCommandError, match="offline|not found"):   # what close() meets first
+            adb.reverse_list(serial)
+        t0 = time.monotonic()
+        assert links.close() == []
+        assert time.monotonic() - t0 < 8
+        assert adbd.connections >= 2 and adbd.reverses == {}
+        assert adb.reverse_list(serial) == [] and adb.forward_list(serial) == []
+
+        gone = AdbLinks(data_port=0, cleanup_wait=1.0)
+        gone.reverse(serial, target)
+        gone.forward(serial, APP_PORT)
+        adbd.drop_connection(offline_for=30)   # does not come back within the wait
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        problems = gone.close()
+        assert 0.8 < time.monotonic() - t0 < 5
+        assert len(problems) == 1 and "\n" not in problems[0], problems   # the forward went with the connection
+        assert "reverse --remove" in problems[0] and f"check 'adb devices' lists {serial}" in problems[0]
+    finally:
+        adbd.close()
+        adbutils.AdbClient(port=adb_server).disconnect(adbd.serial)
 
 
 def test_push_falls_back_when_the_app_is_not_debuggable(adb_server, tmp_path):
