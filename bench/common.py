@@ -40,16 +40,6 @@ def maxrss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def reset_peak_rss() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0), so a later VmHWM is the peak of one phase."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 def memory_snapshot() -> dict:
     s = proc_status()
     return {"rss": s.get("VmRSS"), "hwm": s.get("VmHWM"), "rss_anon": s.get("RssAnon"),

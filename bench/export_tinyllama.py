@@ -32,7 +32,8 @@ from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (REPO, machine, memory_snapshot, median, mib, now_iso, proc_status,  # noqa: E402
-                    replace_md_section, reset_peak_rss)
+                    replace_md_section)
+from zl_mobile.telemetry import take_peak_rss_bytes  # noqa: E402
 
 TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                  num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
@@ -213,7 +214,7 @@ def export_chunks(peft_model, hf_cfg, ranges, indices, cfg, out: Path, say) -> d
         for k in indices:
             first, last = ranges[k]
             gc.collect()
-            reset_peak_rss()
+            take_peak_rss_bytes()  # VmHWM from here on is this chunk's export peak
             rss0 = proc_status()["VmRSS"]
             t0 = time.time()
             say(f"chunk {k}: layers {first}-{last}: tracing + lowering ({cfg.backend})")

@@ -177,11 +177,7 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
         a.set_xticklabels([r["method"] for r in base])
         a.set_title(title)
         a.legend()
-    fig.tight_layout()
-    p = out_dir / f"{stem}_pss.png"
-    fig.savefig(p, dpi=110)
-    paths.append(str(p))
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / f"{stem}_pss.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     labels = [LINKS.get(r) or f"{r:g}" for r in rates]
@@ -192,12 +188,17 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
     ax.set_xlabel("link (Local / 300 / 100 / 50 Mbit/s)")
     ax.set_title("throughput vs link")
     ax.legend()
-    fig.tight_layout()
-    p = out_dir / f"{stem}_link.png"
-    fig.savefig(p, dpi=110)
-    paths.append(str(p))
-    plt.close(fig)
+    paths.append(_save(fig, out_dir / f"{stem}_link.png"))
     return paths
+
+
+def _save(fig, path: Path) -> str:
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
 
 
 def main(argv=None) -> int:
@@ -226,6 +227,8 @@ def main(argv=None) -> int:
         ap.error("--torch-device applies to --backend eager only")
     if a.cores_per_stage < 1:
         ap.error("--cores-per-stage must be at least 1")
+    if a.windows < 2:
+        ap.error("--windows must be at least 2: throughput is measured over the windows after the first")
     from zl_mobile.backends import Backend, BackendError
     try:  # the check every phone makes at start, made once here
         Backend.from_args(a.backend, a.torch_device).check_runtime()

@@ -8,6 +8,7 @@ zl_mobile/eager_program.py runs the same chunk in eager PyTorch behind the same 
 zl_mobile/backends.py chooses between them."""
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,7 @@ class StepResult:
     grads: dict[str, torch.Tensor]  # peft name -> gradient
 
 
-class NamedMethods:
+class NamedMethods(abc.ABC):
     """What both backends share: the methods' named inputs and outputs, from the manifest entry."""
 
     def __init__(self, chunk: dict):
@@ -51,9 +52,9 @@ class NamedMethods:
             args.append(t.contiguous())
         return tuple(args)
 
+    @abc.abstractmethod
     def run(self, method: str, values: dict) -> dict:
         """Call a method with inputs picked by name; returns its outputs by name."""
-        raise NotImplementedError
 
     def phase1(self, lora: dict, batch: dict):
         saved = self.run("phase1", {**batch, **lora})
