@@ -126,3 +126,19 @@ def test_lowered_programs_copy_no_frozen_weight(peft_model, backend):
             assert copies == [], m
         else:
             assert len(copies) < before[m] if m == "phase2" else len(copies) <= before[m], m
+
+
+def test_xnnpack_runs_a_layers_elementwise_work(peft_model):
+    """Phase 1 (a layer's forward) leaves no GEMM, transpose, element-wise, softmax or RMSNorm op
+    to the portable kernels: with the XNNPACK partitioner they all run inside delegates (few
+    large calls, not hundreds of single-threaded kernels)."""
+    model, cfg = peft_model
+    chunk = ChunkModel(model, 1, 1, cfg).eval()
+    split = split_at_marker(joint_program(chunk, example_inputs(chunk, cfg, 512, 64)), input_names(False))
+    ep = lower_two_phase(split, "xnnpack", "w").exported_program("phase1")
+    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+    assert any("executorch_call_delegate" in t for t in targets)
+    delegable = ("aten.mm", "aten.linear", "aten.bmm", "permute_copy", "aten.mul.", "aten.add.", "aten.sub.",
+                 "aten.neg", "aten.sigmoid", "_softmax", "aten.rsqrt", "aten.pow")
+    left = [t for t in targets if any(d in t for d in delegable)]
+    assert left == [], left
