@@ -300,8 +300,19 @@ def build_parser():
     return p
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    # SIGTERM (kill, a service manager, a CI timeout) ends a run as Ctrl-C does: phones stopped, adb
+    # forwards and reverses removed, the resume hint printed; Python's default would skip all of it
+    import signal
+    import threading
+
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
     try:
         return a.func(a)
     except CliError as e:
@@ -310,6 +321,9 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         console.print("zl-host: interrupted; continue with zl-host run --resume RUN_DIR", markup=False)
         return 130
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

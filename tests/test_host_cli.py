@@ -184,3 +184,41 @@ def test_host_killed_and_resumed_ends_with_the_uninterrupted_lora(small_export, 
     diff = max(float(np.abs(a[k] - b[k]).max()) for k in a)
     print(f"largest LoRA difference after host kill + resume: {diff:.3g}")
     assert diff <= 1e-6
+
+
+def test_sigterm_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path):
+    """SIGTERM mid-run: the host stops the phones it started (and would remove its adb forwards,
+    in the same clean-up), prints the resume hint and exits 130, instead of dying with orphans."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    host = subprocess.Popen([sys.executable, "-m", "host.cli", "run", "--program", str(small_export[0]),
+                             "--data", str(data_file), "--devices", "emulated:3", "--steps", "200", "--window", "2",
+                             "--out", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and host.poll() is None:
+        metrics = run / "metrics.jsonl"
+        if metrics.exists() and '"CHECKPOINT_COMMITTED"' in metrics.read_text():
+            break
+        time.sleep(0.05)
+    assert host.poll() is None, "the host finished before it could be stopped"
+    pids = [p["pid"] for p in json.loads((run / "run.json").read_text())["phones"]]
+    assert len(pids) == 3 and all(_alive(pid) for pid in pids)
+    host.send_signal(signal.SIGTERM)
+    _, err = host.communicate(timeout=60)
+    assert host.returncode == 130, err
+    assert "zl-host run --resume" in err
+    assert not any(_alive(pid) for pid in pids), "emulated phones left running after SIGTERM"
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
