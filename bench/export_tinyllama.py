@@ -79,7 +79,46 @@ def _batch(manifest, entry):
     return inputs, dict(zip(input_names(Stub.is_first), inputs))
 
 
+def eager_worker(a) -> dict:
+    """The chunk's eager forward + backward alone in a process (no ExecuTorch runtime loaded), as
+    the ExecuTorch steps run alone in the "run" worker: the two runtimes' thread pools slow each
+    other down when they share a process (measured: see docs/BENCHMARKS.md)."""
+    import torch
+
+    from exporter.chunk_model import ChunkModel, add_lora, example_inputs, peft_name
+    from exporter.config import ExportConfig
+    from exporter.verify import sample_lora
+
+    torch.set_num_threads(a.threads)
+    manifest = json.loads((Path(a.dir) / "manifest.json").read_text())
+    entry = next(c for c in manifest["chunks"] if c["index"] == a.chunk)
+    e, mc = manifest["export"], manifest["model"]["config"]
+    cfg = ExportConfig(seq_len=e["seq_len"], micro_batch=e["micro_batch"], loss_positions=e["loss_positions"])
+    chunk = ChunkModel(add_lora(build_model(a.config), ExportConfig()), *entry["layers"], cfg).eval()
+    params = chunk.lora_parameters()
+    to_local = {peft_name(n, chunk.first): n for n in params}
+    with torch.no_grad():
+        for g, v in sample_lora(entry, 0).items():
+            params[to_local[g]].copy_(v)
+    inputs = example_inputs(chunk, cfg, mc["vocab_size"], mc["hidden_size"], seed=1)  # as _batch
+    fw, bw = [], []
+    for i in range(a.warmup + a.steps):
+        for p in params.values():
+            p.grad = None
+        t0 = time.perf_counter()
+        loss = chunk(*inputs)[0]
+        t1 = time.perf_counter()
+        loss.backward()
+        t2 = time.perf_counter()
+        if i >= a.warmup:
+            fw.append(t1 - t0)
+            bw.append(t2 - t1)
+    return {"forward_s": fw, "backward_s": bw, "loss": loss.item(), "threads_torch": torch.get_num_threads()}
+
+
 def worker(a) -> dict:
+    if a.worker == "eager":
+        return eager_worker(a)
     import torch
     portable_lib, _, _, _, sample_lora, ChunkProgram = _runtime_imports()
     torch.set_num_threads(a.threads)
@@ -313,8 +352,8 @@ def interleaved_times(chunk, manifest, entry, export_dir: Path, steps: int, warm
 def run_worker(mode: str, a, export_dir: Path, chunk: int) -> dict:
     res_file = Path(export_dir) / f".bench_{mode}_{chunk}.json"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", mode, "--dir", str(export_dir),
-           "--chunk", str(chunk), "--threads", str(a.threads),
-           "--steps", str(a.mem_steps if mode == "run" else a.steps),
+           "--chunk", str(chunk), "--threads", str(a.threads), "--config", a.config,
+           "--steps", str(max(a.mem_steps, a.steps) if mode == "run" else a.steps),
            "--warmup", str(a.warmup), "--result", str(res_file),
            "--profile-out", str(Path(export_dir) / f"chunk_{chunk}.etdump")]
     env = dict(os.environ, OMP_NUM_THREADS=str(a.threads), PYTHONWARNINGS="ignore")
@@ -326,7 +365,7 @@ def run_worker(mode: str, a, export_dir: Path, chunk: int) -> dict:
     return res
 
 
-def summarize(manifest, entry, export_dir: Path, eager, et, base, ops, a, lp) -> dict:
+def summarize(manifest, entry, export_dir: Path, eager, et, eager_alone, base, ops, a, lp) -> dict:
     d = Path(export_dir)
     mc = manifest["model"]["config"]
     e = manifest["export"]
@@ -340,13 +379,15 @@ def summarize(manifest, entry, export_dir: Path, eager, et, base, ops, a, lp) ->
     fw, bw = (median(eager["forward_s"]), median(eager["backward_s"])) if eager else (None, None)
     eager_step = median([x + y for x, y in zip(eager["forward_s"], eager["backward_s"])]) if eager else None
     w_step = median([x + y for x, y in zip(et["phase1_s"], et["phase2_s"])])
+    # the verdict: each runtime alone in its own process, as a phone runs only ExecuTorch
+    alone = median([x + y for x, y in zip(eager_alone["forward_s"], eager_alone["backward_s"])]) if eager_alone else None
     peak = et["end"]["hwm"]
     base_rss = base["after_import"]["rss"]
     return {
         "key": f"{a.config}/{e['backend']}/lp{lp}/chunk{entry['index']}",
         "config": a.config, "chunk": entry["index"], "layers": entry["layers"], "backend": e["backend"],
         "micro_batch": e["micro_batch"], "seq_len": e["seq_len"], "loss_positions": lp,
-        "threads": a.threads, "steps": a.steps, "warmup": a.warmup, "mem_steps": a.mem_steps, "export_dir": str(d),
+        "threads": a.threads, "steps": a.steps, "warmup": a.warmup, "mem_steps": max(a.mem_steps, a.steps), "export_dir": str(d),
         "export_s": entry.get("export_seconds"), "export_peak_rss": entry.get("bench_export_peak_rss"),
         "export_peak_extra": entry.get("bench_export_peak_extra"),
         "pte_bytes": (d / entry["program"]).stat().st_size, "ptd_bytes": ptd,
@@ -355,13 +396,19 @@ def summarize(manifest, entry, export_dir: Path, eager, et, base, ops, a, lp) ->
         "saved_activation_count": entry["saved_activation_count"], "h_bytes": h_bytes,
         "et_phase1_s": p1, "et_phase2_s": p2, "et_step_s": et_step,
         "eager_forward_s": fw, "eager_backward_s": bw, "eager_step_s": eager_step,
-        "time_ratio": et_step / eager_step if eager_step else None,
-        "time_ok": (et_step / eager_step <= TIME_TARGET) if eager_step else None,
+        "time_ratio_interleaved": et_step / eager_step if eager_step else None,
+        "eager_step_s_fresh_process": alone,
+        "eager_forward_s_fresh_process": eager_alone and median(eager_alone["forward_s"]),
+        "eager_backward_s_fresh_process": eager_alone and median(eager_alone["backward_s"]),
+        "time_ratio": w_step / alone if alone else None,
+        "time_ok": (w_step / alone <= TIME_TARGET) if alone else None,
         "et_step_s_fresh_process": w_step, "et_phase1_s_fresh_process": median(et["phase1_s"]),
         "et_phase2_s_fresh_process": median(et["phase2_s"]),
         "raw_times_s": {"eager_forward": eager and eager["forward_s"], "eager_backward": eager and eager["backward_s"],
                         "et_phase1": src["et_phase1_s"], "et_phase2": src["et_phase2_s"],
-                        "et_phase1_fresh_process": et["phase1_s"], "et_phase2_fresh_process": et["phase2_s"]},
+                        "et_phase1_fresh_process": et["phase1_s"], "et_phase2_fresh_process": et["phase2_s"],
+                        "eager_forward_fresh_process": eager_alone and eager_alone["forward_s"],
+                        "eager_backward_fresh_process": eager_alone and eager_alone["backward_s"]},
         "loss_et": et["loss"], "loss_eager": eager["loss"] if eager else None,
         "max_rel_grad_diff": eager and eager["max_rel_grad_diff"], "loadavg": eager and eager.get("loadavg"),
         "load_s": et["load_s"],
@@ -391,18 +438,18 @@ def print_tables(rows, console):
     console.print(t)
     t = Table(title=f"step time (median, {rows[0]['threads']} threads): ExecuTorch vs eager PyTorch "
                     f"(target <= {TIME_TARGET}x)")
-    for c in ("chunk", "N", "ET phase1", "ET phase2", "ET step", "eager fwd", "eager bwd", "eager step",
-              "ratio", "target"):
+    for c in ("chunk", "N", "ET phase1", "ET phase2", "ET step", "eager step", "ratio", "target",
+              "interleaved ET / eager", "ratio"):
         t.add_column(c, justify="right")
     for r in rows:
         ok = r["time_ok"]
-        t.add_row(str(r["chunk"]), str(r["loss_positions"]), f"{r['et_phase1_s'] * 1e3:.0f} ms",
-                  f"{r['et_phase2_s'] * 1e3:.0f} ms", f"{r['et_step_s'] * 1e3:.0f} ms",
-                  f"{r['eager_forward_s'] * 1e3:.0f} ms" if r["eager_forward_s"] else "-",
-                  f"{r['eager_backward_s'] * 1e3:.0f} ms" if r["eager_backward_s"] else "-",
-                  f"{r['eager_step_s'] * 1e3:.0f} ms" if r["eager_step_s"] else "-",
+        t.add_row(str(r["chunk"]), str(r["loss_positions"]), fmt_ms(r["et_phase1_s_fresh_process"]),
+                  fmt_ms(r["et_phase2_s_fresh_process"]), fmt_ms(r["et_step_s_fresh_process"]),
+                  fmt_ms(r["eager_step_s_fresh_process"]),
                   f"{r['time_ratio']:.2f}x" if r["time_ratio"] else "-",
-                  "-" if ok is None else ("[green]met[/]" if ok else "[red]missed[/]"))
+                  "-" if ok is None else ("[green]met[/]" if ok else "[red]missed[/]"),
+                  f"{fmt_ms(r['et_step_s'])} / {fmt_ms(r['eager_step_s'])}",
+                  f"{r['time_ratio_interleaved']:.2f}x" if r["time_ratio_interleaved"] else "-")
     console.print(t)
     t = Table(title=f"memory of a process that loads one chunk and runs steps (target <= {MEM_TARGET}x floor)")
     for c in ("chunk", "N", "floor", "peak RSS", "ratio raw", "baseline RSS", "ratio net", "PSS", "target raw/net"):
@@ -436,6 +483,12 @@ def planned(r, method):
     return mib(b) if b is not None else "-"
 
 
+def _load_note(rows) -> str:
+    """The 1-minute load average before and after the timed steps, over the rows shown."""
+    la = [pair[0] for r in rows for pair in (r.get("loadavg") or [])]
+    return f"1-minute load average around the timed steps: {min(la):.1f}-{max(la):.1f}." if la else ""
+
+
 def markdown(rows, meta) -> str:
     m = meta["machine"]
     out = [
@@ -450,12 +503,13 @@ def markdown(rows, meta) -> str:
         f"- Machine: {m['cpu']} (lscpu model name), {m['cores']} cores, {m['mem_total'] / (1 << 30):.0f} GiB RAM, "
         f"no GPU; torch {meta['versions'].get('torch')}, executorch {meta['versions'].get('executorch')} "
         f"(pybindings); {rows[0]['threads']} threads for both torch and the ExecuTorch threadpool "
-        f"(`_unsafe_reset_threadpool`). Last run: {meta['date']}, commit {meta.get('git')}. The machine was shared: other processes "
-        "(phone emulators pinned to each core) ran at the same time, so absolute times are noisy; the "
-        "ratio is robust because eager and ExecuTorch steps alternate in one process.",
+        f"(`_unsafe_reset_threadpool`). Last run: {meta['date']}, commit {meta.get('git')}. {_load_note(rows)}",
         "- Step time: median over the timed steps (after 1 warm-up); ExecuTorch step = phase1 + phase2 "
         "(`zl_mobile.program.ChunkProgram`), eager = the same `ChunkModel` forward + `loss.backward()`, "
-        "same batch and LoRA values, alternating step by step. Target: ET <= 1.5x eager.",
+        "same batch and LoRA values. **Alone**: each runtime in a fresh process of its own, one right "
+        "after the other (a phone runs only ExecuTorch); the target (ET <= 1.5x eager) is judged on this. "
+        "**Interleaved**: both in one process, alternating step by step (robust to load from other "
+        "processes, but the two runtimes' thread pools slow each other: both steps come out slower).",
         "- Memory: a fresh process loads one chunk and runs 1 warm-up + 2 to 5 steps (`mem_steps` in the JSON); peak = VmHWM (= ru_maxrss). "
         "Floor = .ptd (frozen weights incl. readout) + saved activations (manifest) + h_k. "
         "*Raw* ratio = peak / floor; *net* ratio = (peak - RSS of a process that only imported torch + "
@@ -463,17 +517,19 @@ def markdown(rows, meta) -> str:
         "arena (`non_const_buffer_sizes`), allocated at load for each method.",
         "",
         "| chunk | layers | backend | N | export | export peak RSS* | .pte | .ptd | saved acts | steps | ET phase1 "
-        "| ET phase2 | ET step | eager fwd + bwd | ET / eager | time target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| ET phase2 | ET step | eager fwd + bwd | ET / eager | time target | interleaved: ET / eager |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         out.append(
             f"| {r['chunk']} | {r['layers'][0]}-{r['layers'][1]} | {r['backend']} | {r['loss_positions']} "
             f"| {r['export_s'] or 0:.0f} s | {mib(r['export_peak_rss'])} | {r['pte_bytes'] / 1024:,.0f} KiB "
             f"| {mib(r['ptd_bytes'])} | {mib(r['saved_activation_bytes'])} | {r['steps']} "
-            f"| {fmt_ms(r['et_phase1_s'])} | {fmt_ms(r['et_phase2_s'])} | {fmt_ms(r['et_step_s'])} "
-            f"| {fmt_ms(r['eager_forward_s'])} + {fmt_ms(r['eager_backward_s'])} = {fmt_ms(r['eager_step_s'])} "
-            f"| {r['time_ratio']:.2f}x | {'met' if r['time_ok'] else '**missed**'} |")
+            f"| {fmt_ms(r['et_phase1_s_fresh_process'])} | {fmt_ms(r['et_phase2_s_fresh_process'])} "
+            f"| {fmt_ms(r['et_step_s_fresh_process'])} | {fmt_ms(r['eager_forward_s_fresh_process'])} + "
+            f"{fmt_ms(r['eager_backward_s_fresh_process'])} = {fmt_ms(r['eager_step_s_fresh_process'])} "
+            f"| {r['time_ratio']:.2f}x | {'met' if r['time_ok'] else '**missed**'} "
+            f"| {fmt_ms(r['et_step_s'])} / {fmt_ms(r['eager_step_s'])} = {r['time_ratio_interleaved']:.2f}x |")
     out += ["", "\\* of the exporting process, which also holds the whole 22-layer model (4.6 GiB RSS).",
             "", "| chunk | N | floor | peak RSS | raw ratio | baseline RSS (imports only) | net ratio "
                 "| PSS after a step | planned phase1 / phase2 | memory target (raw / net) |",
@@ -516,7 +572,7 @@ def main(argv=None) -> int:
                         "for zl-export --model DIR (e.g. BP programs for bench/pipeline.py), then exit")
     p.add_argument("--results", type=Path, default=RESULTS)
     # internal: the measuring subprocess
-    p.add_argument("--worker", choices=["baseline", "run", "profile"], help=argparse.SUPPRESS)
+    p.add_argument("--worker", choices=["baseline", "run", "eager", "profile"], help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     p.add_argument("--chunk", type=int, help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -593,15 +649,21 @@ def main(argv=None) -> int:
                 eager["loadavg"] = [la0, os.getloadavg()]
                 del chunk
                 gc.collect()
-            say(f"chunk {k} N={lp}: memory: a fresh process loads the chunk and runs x{a.warmup + a.mem_steps}")
+            say(f"chunk {k} N={lp}: memory and ExecuTorch alone: a fresh process loads the chunk and runs x{a.warmup + max(a.mem_steps, a.steps)}")
             et = run_worker("run", a, export_dir, k)
+            eager_alone = None
+            if not a.no_eager:
+                say(f"chunk {k} N={lp}: eager forward+backward alone in a fresh process, x{a.warmup + a.steps}")
+                eager_alone = run_worker("eager", a, export_dir, k)
             ops = pte_ops(Path(export_dir) / entry["program"])
-            row = summarize(manifest, entry, export_dir, eager, et, base, ops, a, lp)
+            row = summarize(manifest, entry, export_dir, eager, et, eager_alone, base, ops, a, lp)
             if a.profile:
                 say(f"chunk {k} N={lp}: ETDump profile")
                 prof = run_worker("profile", a, export_dir, k)
                 row["profile"], row["profile_totals_ms"] = prof["profile"], prof["profile_totals_ms"]
-            say(f"chunk {k} N={lp}: ET step {fmt_ms(row['et_step_s'])}, eager {fmt_ms(row['eager_step_s'])}, "
+            say(f"chunk {k} N={lp}: alone: ET step {fmt_ms(row['et_step_s_fresh_process'])}, eager "
+                f"{fmt_ms(row['eager_step_s_fresh_process'])}; interleaved: ET {fmt_ms(row['et_step_s'])}, eager "
+                f"{fmt_ms(row['eager_step_s'])}; "
                 f"mem {row['mem_ratio_raw']:.2f}x raw / {row['mem_ratio_net']:.2f}x net; "
                 f"loss ET {row['loss_et']:.5f} eager {row['loss_eager']}, max rel grad diff {row['max_rel_grad_diff']}")
             rows.append(row)
@@ -626,7 +688,8 @@ def main(argv=None) -> int:
     a.results.write_text(json.dumps(old, indent=1) + "\n")
     say(f"results: {a.results}")
     if not a.no_doc:
-        all_rows = [r for r in old["runs"].values() if r["config"] == "tinyllama" and r.get("eager_step_s")]
+        all_rows = [r for r in old["runs"].values()
+                    if r["config"] == "tinyllama" and r.get("eager_step_s_fresh_process")]
         if all_rows:
             all_rows.sort(key=lambda r: (r["backend"], -r["loss_positions"], r["chunk"]))
             for r in all_rows:  # rows from runs before the planned-arena column was added

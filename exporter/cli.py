@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loss-positions", type=int, default=None,
                    help="readout rows per micro-batch (valid positions gathered before the lm_head); default all B*S")
     p.add_argument("--backend", choices=["xnnpack", "portable"], default="xnnpack")
+    p.add_argument("--xnnpack-ops", choices=["all", "gemm"], default="all",
+                   help="what XNNPACK runs: all (GEMMs, element-wise, transposes, norms: faster steps) or gemm "
+                        "(GEMMs only: lower peak memory, slower steps); default %(default)s")
     p.add_argument("--seed", type=int, default=0, help="LoRA initialisation seed")
     p.add_argument("--mode", choices=["zerolock", "bp", "both"], default="zerolock",
                    help="programs to write per chunk: zerolock (chunk_k.pte, local-loss training), bp "
@@ -48,7 +51,8 @@ def config_from_args(a) -> ExportConfig:
     return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
                         target_modules=tuple(m.strip() for m in a.target_modules.split(",") if m.strip()),
                         alpha=a.alpha, seq_len=a.seq_len, micro_batch=a.micro_batch,
-                        loss_positions=a.loss_positions, backend=a.backend, seed=a.seed)
+                        loss_positions=a.loss_positions, backend=a.backend, seed=a.seed,
+                        xnnpack_ops=a.xnnpack_ops)
 
 
 def main(argv=None) -> int:

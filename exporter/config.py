@@ -16,6 +16,9 @@ class ExportConfig:
     # this many slots (padding slots carry weight 0). None means micro_batch * seq_len (all).
     loss_positions: int | None = None
     backend: str = "xnnpack"  # or "portable"
+    # What XNNPACK runs: "all" (GEMMs and the element-wise/transpose/norm ops: faster steps) or
+    # "gemm" (GEMMs only: lower peak memory); see exporter/lower.py and docs/BENCHMARKS.md
+    xnnpack_ops: str = "all"
     seed: int = 0  # LoRA initialisation
     extra: dict = field(default_factory=dict)
 

@@ -182,7 +182,7 @@ def _lower_and_write(split, cfg: ExportConfig, tmp: Path, stem: str, say, k: int
     """Lower both phases into tmp/{stem}.pte with frozen weights in tmp/{stem}.ptd, plus the
     metadata methods Android's TrainingModule reads (`methods`: the manifest's description)."""
     say(f"chunk {k}: lowering {stem} ({cfg.backend})")
-    et = lower_two_phase(split, cfg.backend, stem, training_constant_methods(methods))
+    et = lower_two_phase(split, cfg.backend, stem, training_constant_methods(methods), cfg.xnnpack_ops)
     (tmp / f"{stem}.pte").write_bytes(et.buffer)
     et.write_tensor_data_to_file(str(tmp))
     ptd = tmp / f"{stem}.ptd"

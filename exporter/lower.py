@@ -58,19 +58,23 @@ def _rewrite_empty_permuted(gm) -> None:
     gm.recompile()
 
 
-# XNNPACK configs for the two phase programs. Beyond the GEMMs, the element-wise, transpose and
-# RMSNorm ops go in too (measured at TinyLlama shape: step 2.36 s -> 2.00 s, same numerics), so
-# a layer runs as a few large delegate calls instead of hundreds of portable kernel calls.
-# Left out: Clone/Unsqueeze (they make a partition whose output is its own input, "pass through
-# arguments", which XNNPACK rejects) and everything not listed (not measured).
-XNNPACK_CONFIGS = ("MMConfig", "AddmmConfig", "LinearConfig", "BMMConfig",
-                   "PermuteConfig", "ViewCopyConfig", "SliceCopyConfig", "CatConfig",
-                   "AddConfig", "SubConfig", "MulConfig", "DivConfig", "NegConfig", "ClampConfig",
-                   "SigmoidConfig", "SoftmaxConfig", "ExpConfig", "LogConfig",
-                   "PowConfig", "MeanDimConfig", "ReciprocalSquareRootConfig")
+# XNNPACK configs for the two phase programs, by ExportConfig.xnnpack_ops. "all": beyond the
+# GEMMs, the element-wise, transpose and RMSNorm ops go in too, so a layer runs as a few large
+# delegate calls instead of hundreds of portable kernel calls (TinyLlama chunk: step -15%, peak
+# PSS +10%); "gemm": GEMMs only. Left out of both: Clone/Unsqueeze (they make a partition whose
+# output is its own input, "pass through arguments", which XNNPACK rejects), and what is not
+# listed (not measured).
+GEMM_CONFIGS = ("MMConfig", "AddmmConfig", "LinearConfig", "BMMConfig")
+XNNPACK_CONFIGS = {
+    "gemm": GEMM_CONFIGS,
+    "all": GEMM_CONFIGS + ("PermuteConfig", "ViewCopyConfig", "SliceCopyConfig", "CatConfig",
+                           "AddConfig", "SubConfig", "MulConfig", "DivConfig", "NegConfig", "ClampConfig",
+                           "SigmoidConfig", "SoftmaxConfig", "ExpConfig", "LogConfig",
+                           "PowConfig", "MeanDimConfig", "ReciprocalSquareRootConfig"),
+}
 
 
-def xnnpack_partitioner():
+def xnnpack_partitioner(ops: str = "all"):
     # force_non_static_weights_for_f32_linear keeps frozen weights as named constants, so they
     # live in the .ptd (once, shared by both methods) rather than packed into each delegate;
     # the price is a repack of each weight per call (see docs/BENCHMARKS.md, Export).
@@ -78,14 +82,18 @@ def xnnpack_partitioner():
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 
     by_name = {c.__name__: c for c in ALL_PARTITIONER_CONFIGS}
-    return XnnpackPartitioner(configs=[by_name[n] for n in XNNPACK_CONFIGS],
+    return XnnpackPartitioner(configs=[by_name[n] for n in XNNPACK_CONFIGS[ops]],
                               force_non_static_weights_for_f32_linear=True)
 
 
-def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_methods: dict | None = None):
+def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_methods: dict | None = None,
+                    xnnpack_ops: str = "all"):
     """Return an ExecutorchProgramManager with methods phase1 and phase2; frozen weights are
     external constants tagged `data_tag` (one .ptd for the chunk's weights + readout);
-    `constant_methods` (name -> value) are added as methods that return that value."""
+    `constant_methods` (name -> value) are added as methods that return that value;
+    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS)."""
+    if xnnpack_ops not in XNNPACK_CONFIGS:
+        raise ValueError(f"unknown xnnpack_ops {xnnpack_ops!r}: use {' or '.join(XNNPACK_CONFIGS)}")
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
 
     methods = {"phase1": split.phase1.program, "phase2": split.phase2.program}
@@ -95,7 +103,7 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
         fold_weight_transposes(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
-        edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner()], compile_config=edge_cfg,
+        edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner(xnnpack_ops)], compile_config=edge_cfg,
                                            constant_methods=constant_methods)
     elif backend == "portable":
         edge = to_edge(methods, compile_config=edge_cfg, constant_methods=constant_methods)

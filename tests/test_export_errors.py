@@ -77,13 +77,17 @@ def test_interrupted_export_leaves_nothing(small_model_dir, tmp_path, monkeypatc
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_exports_with_xnnpack_and_verifies(small_model_dir, tmp_path):
+@pytest.mark.parametrize("ops", ["all", "gemm"])
+def test_cli_exports_with_xnnpack_and_verifies(small_model_dir, tmp_path, ops):
+    """Both XNNPACK variants (--xnnpack-ops: everything it can run, or GEMMs only) match eager
+    PyTorch in ExecuTorch's runtime, and the manifest records which one a program is."""
     out = tmp_path / "xnn"
     r = run_cli("--model", str(small_model_dir), "--chunks", "0-1,2-2", "--out", str(out), "--seq-len", "16",
-                "--lora-rank", "4", "--loss-positions", "8", "--backend", "xnnpack", "--verify")
+                "--lora-rank", "4", "--loss-positions", "8", "--backend", "xnnpack", "--xnnpack-ops", ops,
+                "--verify")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "verify: every chunk matches eager PyTorch" in r.stderr
     from exporter.manifest import load_manifest
     m = load_manifest(out)
-    assert m["export"]["backend"] == "xnnpack" and len(m["chunks"]) == 2
+    assert m["export"]["backend"] == "xnnpack" and m["export"]["xnnpack_ops"] == ops and len(m["chunks"]) == 2
     assert [p.name for p in tmp_path.iterdir()] == ["xnn"]  # the temporary folder was renamed, none left

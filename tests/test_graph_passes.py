@@ -129,16 +129,22 @@ def test_lowered_programs_copy_no_frozen_weight(peft_model, backend):
 
 
 def test_xnnpack_runs_a_layers_elementwise_work(peft_model):
-    """Phase 1 (a layer's forward) leaves no GEMM, transpose, element-wise, softmax or RMSNorm op
-    to the portable kernels: with the XNNPACK partitioner they all run inside delegates (few
-    large calls, not hundreds of single-threaded kernels)."""
+    """xnnpack_ops="all" (the default): phase 1 (a layer's forward) leaves no GEMM, transpose,
+    element-wise, softmax or RMSNorm op to the portable kernels; they all run inside delegates
+    (few large calls, not hundreds of single-threaded kernels). "gemm": only the GEMMs do."""
     model, cfg = peft_model
     chunk = ChunkModel(model, 1, 1, cfg).eval()
     split = split_at_marker(joint_program(chunk, example_inputs(chunk, cfg, 512, 64)), input_names(False))
-    ep = lower_two_phase(split, "xnnpack", "w").exported_program("phase1")
-    targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
-    assert any("executorch_call_delegate" in t for t in targets)
-    delegable = ("aten.mm", "aten.linear", "aten.bmm", "permute_copy", "aten.mul.", "aten.add.", "aten.sub.",
-                 "aten.neg", "aten.sigmoid", "_softmax", "aten.rsqrt", "aten.pow")
-    left = [t for t in targets if any(d in t for d in delegable)]
-    assert left == [], left
+    gemms = ("aten.mm", "aten.linear", "aten.bmm")
+    elementwise = ("permute_copy", "aten.mul.", "aten.add.", "aten.sub.", "aten.neg", "aten.sigmoid", "_softmax",
+                   "aten.rsqrt", "aten.pow")
+    left = {}
+    for ops in ("all", "gemm"):
+        ep = lower_two_phase(split, "xnnpack", "w", xnnpack_ops=ops).exported_program("phase1")
+        targets = [str(n.target) for n in ep.graph.nodes if n.op == "call_function"]
+        assert any("executorch_call_delegate" in t for t in targets), ops
+        left[ops] = [t for t in targets if any(d in t for d in gemms + elementwise)]
+    assert left["all"] == [], left["all"]
+    assert left["gemm"] and not any(g in t for t in left["gemm"] for g in gemms), left["gemm"]
+    with pytest.raises(ValueError, match="unknown xnnpack_ops 'most'"):
+        lower_two_phase(split, "xnnpack", "w", xnnpack_ops="most")
