@@ -79,13 +79,27 @@ def _batch(manifest, entry):
     return inputs, dict(zip(input_names(Stub.is_first), inputs))
 
 
+def set_lora(chunk, lora: dict) -> dict:
+    """Load the manifest-named LoRA values into the eager chunk; returns its LoRA parameters."""
+    import torch
+
+    from exporter.chunk_model import peft_name
+
+    params = chunk.lora_parameters()
+    to_local = {peft_name(n, chunk.first): n for n in params}
+    with torch.no_grad():
+        for g, v in lora.items():
+            params[to_local[g]].copy_(v)
+    return params
+
+
 def eager_worker(a) -> dict:
     """The chunk's eager forward + backward alone in a process (no ExecuTorch runtime loaded), as
     the ExecuTorch steps run alone in the "run" worker: the two runtimes' thread pools slow each
     other down when they share a process (measured: see docs/BENCHMARKS.md)."""
     import torch
 
-    from exporter.chunk_model import ChunkModel, add_lora, example_inputs, peft_name
+    from exporter.chunk_model import ChunkModel, add_lora, example_inputs
     from exporter.config import ExportConfig
     from exporter.verify import sample_lora
 
@@ -95,11 +109,7 @@ def eager_worker(a) -> dict:
     e, mc = manifest["export"], manifest["model"]["config"]
     cfg = ExportConfig(seq_len=e["seq_len"], micro_batch=e["micro_batch"], loss_positions=e["loss_positions"])
     chunk = ChunkModel(add_lora(build_model(a.config), ExportConfig()), *entry["layers"], cfg).eval()
-    params = chunk.lora_parameters()
-    to_local = {peft_name(n, chunk.first): n for n in params}
-    with torch.no_grad():
-        for g, v in sample_lora(entry, 0).items():
-            params[to_local[g]].copy_(v)
+    params = set_lora(chunk, sample_lora(entry, 0))
     inputs = example_inputs(chunk, cfg, mc["vocab_size"], mc["hidden_size"], seed=1)  # as _batch
     fw, bw = [], []
     for i in range(a.warmup + a.steps):
@@ -309,11 +319,8 @@ def interleaved_times(chunk, manifest, entry, export_dir: Path, steps: int, warm
     portable_lib._unsafe_reset_threadpool(threads)
     inputs, batch = _batch(manifest, entry)
     lora = sample_lora(entry, 0)
-    params = chunk.lora_parameters()
+    params = set_lora(chunk, lora)
     to_local = {peft_name(n, chunk.first): n for n in params}
-    with torch.no_grad():
-        for g, v in lora.items():
-            params[to_local[g]].copy_(v)
     prog = ChunkProgram(export_dir, entry)
     fw, bw, p1, p2 = [], [], [], []
     for i in range(warmup + steps):

@@ -125,22 +125,26 @@ class AdbLinks:
 
     # ---- ports
     def forward(self, serial: str, phone_port: int) -> int:
-        with self._lock:
-            if (serial, phone_port) in self._forwards:
-                return self._forwards[(serial, phone_port)]
-            local = adb.forward(serial, 0, phone_port, **self.kw)
-            self._forwards[(serial, phone_port)] = local
-        self.on_event("adb_forward", {"serial": serial, "host_port": local, "phone_port": phone_port})
+        """A host port forwarded to ``phone_port`` on the phone (made once per run)."""
+        local, new = self._once(self._forwards, (serial, phone_port), lambda: adb.forward(serial, 0, phone_port, **self.kw))
+        if new:
+            self.on_event("adb_forward", {"serial": serial, "host_port": local, "phone_port": phone_port})
         return local
 
     def reverse(self, serial: str, host_port: int) -> int:
-        with self._lock:
-            if (serial, host_port) in self._reverses:
-                return self._reverses[(serial, host_port)]
-            phone = adb.reverse(serial, 0, host_port, **self.kw)
-            self._reverses[(serial, host_port)] = phone
-        self.on_event("adb_reverse", {"serial": serial, "phone_port": phone, "host_port": host_port})
+        """A phone port reversed to ``host_port`` on this machine (made once per run)."""
+        phone, new = self._once(self._reverses, (serial, host_port), lambda: adb.reverse(serial, 0, host_port, **self.kw))
+        if new:
+            self.on_event("adb_reverse", {"serial": serial, "phone_port": phone, "host_port": host_port})
         return phone
+
+    def _once(self, made: dict, key: tuple, make) -> tuple[int, bool]:
+        """(port, whether it was made now): ``make()`` runs only for a key not yet in ``made``."""
+        with self._lock:
+            if key not in made:
+                made[key] = make()
+                return made[key], True
+            return made[key], False
 
     def control_endpoint(self, serial: str) -> str:
         """127.0.0.1:L, forwarded to the app's control port on the phone."""

@@ -111,7 +111,6 @@ class Stage:
         self._pending: dict[int, dict] = {}   # micro-batch -> what its L/B step needs (saved activations...)
         self.grads_in = InboundQueue(drop_older=False)  # BP: dL/dh_k from downstream, by micro-batch
         self.done_micro_batches = 0
-        self.rss_peak = 0
         take_peak_rss_bytes()  # peaks count from here, not from loading
         self._window_stats: dict[int, dict] = {}  # window -> sums for its TELEMETRY "window" record
 
@@ -250,7 +249,6 @@ class Stage:
     def _telemetry(self, mb: int, p: dict, losses: dict) -> None:
         pss = read_pss_bytes()  # after phase 2: the saved activations are gone, so near the resting level
         mb_peak = take_peak_rss_bytes()  # this micro-batch's peak RSS, inside phases 1 and 2 included
-        self.rss_peak = max(self.rss_peak, mb_peak or 0)
         now = time.time()
         self._add_window_stats(p["window"], p["t"], losses, now, mb_peak or 0)
         self.to_host(Message(MsgType.TELEMETRY, _present({
