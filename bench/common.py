@@ -136,3 +136,24 @@ def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *,
             p.stop()
     records = [json.loads(line) for line in (Path(root) / "run" / "metrics.jsonl").read_text().splitlines()]
     return result, records
+
+
+def run_sampled(cmd: list[str], interval_s: float, env: dict | None = None) -> tuple[int, str, list[tuple[float, int]]]:
+    """Run a measuring process, sampling its PSS (/proc/PID/smaps_rollup) from this one until it
+    exits: a thread inside it would see nothing while ExecuTorch's binding holds the interpreter.
+    Returns (exit code, the tail of its stderr, [(time, PSS bytes)])."""
+    import tempfile
+    import time
+
+    from zl_mobile.telemetry import read_pss_bytes
+
+    samples = []
+    with tempfile.TemporaryFile(mode="w+") as err:
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True)
+        while proc.poll() is None:
+            pss = read_pss_bytes(proc.pid)
+            if pss is not None:
+                samples.append((time.time(), pss))
+            time.sleep(interval_s)
+        err.seek(0)
+        return proc.returncode, err.read()[-4000:], samples

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench.common import REPO, machine, memory_snapshot, mib, now_iso, replace_md_section  # noqa: E402
+from bench.common import REPO, machine, memory_snapshot, mib, now_iso, replace_md_section, run_sampled  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 DEFAULT_EXPORT = Path("/tmp/zl_bench_tinyllama/tinyllama_xnnpack_lp128")
@@ -137,22 +137,6 @@ def pss_by_mapping(export_dir: Path) -> dict:
         elif line.startswith("Pss:"):
             parts[kind] += int(head[1]) * 1024
     return parts
-
-
-def run_sampled(cmd: list[str], interval_s: float) -> list[tuple[float, int]]:
-    """Run the measuring process, sampling its PSS from here until it exits."""
-    from zl_mobile.telemetry import read_pss_bytes
-
-    proc = subprocess.Popen(cmd)
-    samples = []
-    while proc.poll() is None:
-        pss = read_pss_bytes(proc.pid)
-        if pss is not None:
-            samples.append((time.time(), pss))
-        time.sleep(interval_s)
-    if proc.returncode != 0:
-        raise SystemExit(f"the measuring process failed (exit code {proc.returncode}); see its output above")
-    return samples
 
 
 def analyse(run: dict, manifest: dict, entry: dict, export_dir: Path) -> dict:
@@ -288,8 +272,10 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "run.json"
         print(f"running chunk {a.chunk} in a fresh process: {a.micro_batches} micro-batches, {a.gap} s pauses ...")
-        samples = run_sampled([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
-                               "--worker-result", str(out)], a.interval)
+        rc, err, samples = run_sampled([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:]),
+                                        "--worker-result", str(out)], a.interval)
+        if rc != 0:
+            raise SystemExit(f"the measuring process failed (exit code {rc}):\n{err}")
         run = json.loads(out.read_text())
         run["samples"] = [s for s in samples if s[0] >= run["marks"]["t_loaded"] - run["marks"]["load_s"]]
     if run["errors"]:

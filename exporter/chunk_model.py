@@ -49,6 +49,15 @@ def peft_name(local_name: str, first_layer: int) -> str:
     return f"base_model.model.model.layers.{first_layer + int(j)}.{mod}.{ab}.weight"
 
 
+def readout_block_rows(base, layers) -> int:
+    """Rows per lm_head block: as many as keep a block within the largest frozen weight of the
+    chunk's layers (all of the vocabulary when it already is)."""
+    hidden = base.lm_head.weight.shape[1]
+    largest = max((m.weight.numel() for layer in layers for m in layer.modules()
+                   if isinstance(m, nn.Linear) and not m.weight.requires_grad), default=0)
+    return max(1, largest // hidden)
+
+
 class ChunkModel(nn.Module):
     def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, layer_offset: int = 0):
         """`layer_offset`: the global index of peft_model's first layer (0 for the whole model; the
@@ -61,7 +70,13 @@ class ChunkModel(nn.Module):
         self.layers = nn.ModuleList(base.model.layers[first - layer_offset:last - layer_offset + 1])
         self.rotary = base.model.rotary_emb
         self.norm = base.model.norm
-        self.lm_head = base.lm_head
+        # The frozen lm_head as row blocks no larger than the chunk's largest layer weight: the
+        # runtime packs a frozen weight into XNNPACK's (process-wide) workspace at each call, so
+        # one [vocab, hidden] GEMM would size that workspace to the whole lm_head (250 MiB for
+        # TinyLlama) where a layer needs 44 MiB. Same numbers; views, so no copy in eager.
+        rows = readout_block_rows(base, self.layers)
+        self.lm_head_blocks = nn.ParameterList(nn.Parameter(w, requires_grad=False)
+                                               for w in base.lm_head.weight.split(rows))
         S = cfg.seq_len
         self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)
 
@@ -70,7 +85,12 @@ class ChunkModel(nn.Module):
         return {n: p for n, p in self.named_parameters() if "lora_" in n}
 
     def readout(self, rows):
-        return self.lm_head(self.norm(rows))
+        x = self.norm(rows)
+        return torch.cat([F.linear(x, w) for w in self.lm_head_blocks], dim=-1)
+
+    @property
+    def vocab_size(self) -> int:
+        return sum(w.shape[0] for w in self.lm_head_blocks)
 
     def run_layers(self, h, attention_mask, position_ids):
         allowed = self.causal[None, None] & (attention_mask[:, None, None, :] > 0)
@@ -150,7 +170,7 @@ class BPChunkModel(ChunkModel):
         self.is_last = is_last
         if not is_last:  # only the last stage owns the readout
             self.norm = None
-            self.lm_head = None
+            self.lm_head_blocks = None
         if not self.is_first:
             hidden = peft_model.base_model.model.config.hidden_size
             probe = torch.zeros(cfg.micro_batch, cfg.seq_len, hidden)

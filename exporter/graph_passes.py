@@ -138,6 +138,41 @@ def fold_weight_transposes(ep: ExportedProgram) -> dict:
     return stats
 
 
+def drop_identity_ops(ep: ExportedProgram) -> dict:
+    """The joint backward's no-op and power nodes, which ExecuTorch runs as portable kernels
+    (copies) between XNNPACK partitions (TinyLlama chunk, phase 2: 48 alias_copy, 28 pow, ~40 ms):
+      alias(x) -> x        (autograd's saved-tensor aliases; kept where it is a method output)
+      pow(x, 1) -> x       (RMSNorm backward: d/dx x^2 = 2 * x^1)
+      pow(x, 3) -> x*x*x   (RMSNorm backward of rsqrt; XNNPACK's Multiply takes it, and eager
+                            PyTorch computes an integer power 3 as the same products)
+    Exact up to the last bit of pow(x, 3). Returns counts."""
+    outs = set(ep.graph.output_node().args[0])
+    stats = {"alias": 0, "pow1": 0, "pow3": 0}
+    for n in list(ep.graph.nodes):
+        if n.op != "call_function" or n in outs:
+            continue
+        if n.target in (aten.alias.default, aten.alias_copy.default):
+            n.replace_all_uses_with(n.args[0])
+            stats["alias"] += 1
+        elif n.target is aten.pow.Tensor_Scalar and n.args[1] == 1:
+            n.replace_all_uses_with(n.args[0])
+            stats["pow1"] += 1
+        elif n.target is aten.pow.Tensor_Scalar and n.args[1] == 3:
+            x = n.args[0]
+            with ep.graph.inserting_before(n):
+                sq = ep.graph.call_function(aten.mul.Tensor, (x, x))
+                cube = ep.graph.call_function(aten.mul.Tensor, (sq, x))
+            sq.meta, cube.meta = dict(n.meta), dict(n.meta)  # same shape and dtype as x ** 3
+            n.replace_all_uses_with(cube)
+            stats["pow3"] += 1
+        else:
+            continue
+        ep.graph.erase_node(n)
+    ep.graph.lint()
+    ep.graph_module.recompile()
+    return stats
+
+
 def op_counts(ep: ExportedProgram) -> Counter:
     return Counter(str(n.target) for n in ep.graph.nodes if n.op == "call_function")
 

@@ -5,7 +5,7 @@ import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
-from .graph_passes import fold_weight_transposes
+from .graph_passes import drop_identity_ops, fold_weight_transposes
 from .two_phase import SplitResult, strip_markers
 
 
@@ -97,10 +97,12 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
 
     methods = {"phase1": split.phase1.program, "phase2": split.phase2.program}
-    # Drop the per-call copies of transposed frozen weights (see graph_passes): rewrites the
-    # phase programs in place; their inputs and outputs (what the manifest describes) stay.
+    # Drop the per-call copies of transposed frozen weights and the backward's no-op/power
+    # nodes (see graph_passes): rewrites the phase programs in place; their inputs and outputs
+    # (what the manifest describes) stay.
     for ep in methods.values():
         fold_weight_transposes(ep)
+        drop_identity_ops(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner(xnnpack_ops)], compile_config=edge_cfg,
@@ -109,7 +111,19 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
         edge = to_edge(methods, compile_config=edge_cfg, constant_methods=constant_methods)
     else:
         raise ValueError(f"unknown backend {backend!r}: use xnnpack or portable")
-    return edge.to_executorch(ExecutorchBackendConfig(external_constants=lambda node: data_tag))
+    return edge.to_executorch(ExecutorchBackendConfig(external_constants=lambda node: data_tag,
+                                                      memory_planning_pass=memory_plans()))
+
+
+def memory_plans() -> dict:
+    """Phase 2's inputs are not planned into its arena: the runtime binds the caller's tensors
+    in place (ExecuTorch shares the data pointer of an input that has no planned storage), so
+    the saved activations are not copied into a second arena, and a caller that keeps phase 1's
+    outputs where phase 1 wrote them (ChunkProgram(in_place=True)) holds them exactly once.
+    Outputs stay planned: ExecuTorch's C++ Module (Android) binds no storage for unplanned outputs."""
+    from executorch.exir.passes import MemoryPlanningPass
+
+    return {"phase1": MemoryPlanningPass(), "phase2": MemoryPlanningPass(alloc_graph_input=False)}
 
 
 def lower_joint(ep):

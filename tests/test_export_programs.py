@@ -16,7 +16,7 @@ from zl_mobile.program import ChunkProgram
 
 def _hf(artifacts):
     class C:
-        vocab_size, hidden_size = artifacts[0].chunk.lm_head.weight.shape
+        vocab_size, hidden_size = artifacts[0].chunk.vocab_size, artifacts[0].chunk.norm.weight.shape[0]
     return C
 
 
@@ -122,6 +122,38 @@ def test_two_phase_equals_one_method_program(small_export):
     assert torch.allclose(h, outs[3], atol=1e-6)
     for g, local in to_local.items():
         assert torch.allclose(res.grads[g], grads_one[local], atol=1e-7, rtol=1e-5), g
+
+
+def test_phase2_reads_phase1_outputs_in_place(small_export):
+    """Phase 2's inputs have no planned storage, so an in-place ChunkProgram hands it phase 1's
+    outputs where phase 1 wrote them (no copy) with the same numbers; a phase 2 on outputs that
+    a later phase 1 overwrote is refused."""
+    from zl_mobile.program import ProgramError
+
+    out, manifest, artifacts, cfg = small_export
+    entry = manifest["chunks"][1]
+    batch = dict(zip(input_names(False), example_inputs(artifacts[1].chunk, cfg, 512, 64, seed=4)))
+    lora = sample_lora(entry, seed=6)
+    copied, in_place = ChunkProgram(out, entry), ChunkProgram(out, entry, in_place=True)
+    meta = in_place._module.method_meta("phase2")
+    assert not any(meta.input_tensor_meta(i).is_memory_planned() for i in range(meta.num_inputs()))
+    assert all(meta.output_tensor_meta(i).is_memory_planned() for i in range(meta.num_outputs()))
+
+    h_c, saved_c = copied.phase1(lora, batch)
+    res_c = copied.phase2(lora, saved_c, batch)
+    h_i, saved_i = in_place.phase1(lora, batch)
+    res_i = in_place.phase2(lora, saved_i, batch)
+    assert res_i.loss == res_c.loss and torch.equal(h_i, h_c)
+    assert all(torch.equal(res_i.grads[n], res_c.grads[n]) for n in res_c.grads)
+
+    first = {n: t.data_ptr() for n, t in saved_i.items() if isinstance(t, torch.Tensor)}
+    _, again = in_place.phase1(lora, batch)  # the same arena slots: nothing was copied out
+    assert {n: t.data_ptr() for n, t in again.items() if isinstance(t, torch.Tensor)} == first
+    _, saved_c2 = copied.phase1(lora, batch)
+    assert saved_c2["h_out"].data_ptr() != saved_c["h_out"].data_ptr()
+    with pytest.raises(ProgramError, match="overwritten in place"):
+        in_place.phase2(lora, saved_i, batch)
+    assert in_place.phase2(lora, again, batch).loss == res_c.loss
 
 
 def test_optimizer_steps_follow_the_eager_trajectory(small_export):

@@ -87,10 +87,11 @@ class Backend:
                 return
             _unsafe_reset_threadpool(n)
 
-    def load(self, export_dir: Path, chunk: dict):
-        """The chunk's program (ZeroLock entry, or BP entry {**chunk, **chunk["bp"]})."""
+    def load(self, export_dir: Path, chunk: dict, in_place: bool = False):
+        """The chunk's program (ZeroLock entry, or BP entry {**chunk, **chunk["bp"]});
+        `in_place`: see ChunkProgram (the eager backend has no arena to keep outputs in)."""
         if self.name == "executorch":
             from .program import ChunkProgram
-            return ChunkProgram(export_dir, chunk)
+            return ChunkProgram(export_dir, chunk, in_place=in_place)
         from .eager_program import EagerChunkProgram
         return EagerChunkProgram(export_dir, chunk, self.torch_device)

@@ -67,20 +67,47 @@ class NamedMethods(abc.ABC):
 
 
 class ChunkProgram(NamedMethods):
-    """The chunk's .pte (methods phase1, phase2) with its frozen weights (.ptd), in ExecuTorch."""
+    """The chunk's .pte (methods phase1, phase2) with its frozen weights (.ptd), in ExecuTorch.
 
-    def __init__(self, export_dir: Path, chunk: dict):
+    in_place=True leaves phase 1's outputs (h_k and the saved activations) where phase 1 wrote
+    them, in its memory-planned arena, instead of copying them out; phase 2, whose inputs are
+    not planned (exporter/lower.py: memory_plans), then reads them there, so a micro-batch's
+    saved activations exist once. They are valid until the next phase 1 call: for a schedule
+    that runs each phase 2 before the next phase 1 (ZeroLock), not for BP schedules that hold
+    several forwards. A phase 2 on overwritten activations is refused, never run."""
+
+    def __init__(self, export_dir: Path, chunk: dict, in_place: bool = False, etdump: bool = False):
         from executorch.extension.pybindings.portable_lib import _load_for_executorch
 
         super().__init__(chunk)
+        self.in_place = in_place
+        self._phase1_calls = 0
         pte = Path(export_dir) / chunk["program"]
         ptd = Path(export_dir) / chunk["weights"]
         try:
-            self._module = _load_for_executorch(str(pte), data_path=str(ptd))
+            self._module = _load_for_executorch(str(pte), data_path=str(ptd), enable_etdump=etdump)
         except Exception as e:  # the runtime raises RuntimeError with an error code only
             raise ProgramError(f"ExecuTorch could not load {pte.name} with {ptd.name} ({e}): "
                                "re-push the program and weights (their sha256 must match the manifest)") from None
 
     def run(self, method: str, values: dict) -> dict:
-        outs = self._module.run_method(method, self._args(method, values))
-        return dict(zip((o["name"] for o in self.methods[method]["outputs"]), outs))
+        in_arena = self.in_place and method == "phase1"
+        if in_arena:
+            self._phase1_calls += 1
+        outs = self._module.run_method(method, self._args(method, values), clone_outputs=not in_arena)
+        named = dict(zip((o["name"] for o in self.methods[method]["outputs"]), outs))
+        return named | ({_CALL: self._phase1_calls} if in_arena else {})
+
+    def write_etdump(self, path: Path) -> None:
+        """The operator profile of the calls so far (load with etdump=True)."""
+        self._module.write_etdump_result_to_file(str(path))
+
+    def phase2(self, lora: dict, saved: dict, batch: dict) -> StepResult:
+        if saved.get(_CALL, self._phase1_calls) != self._phase1_calls:
+            raise ProgramError(f"phase 2 of chunk {self.index} was given the saved activations of phase 1 call "
+                               f"{saved[_CALL]}, which call {self._phase1_calls} has overwritten in place: run each "
+                               "phase 2 before the next phase 1, or load the program with in_place=False")
+        return super().phase2(lora, saved, batch)
+
+
+_CALL = "_phase1_call"  # which phase 1 call wrote a set of in-place outputs

@@ -79,7 +79,9 @@ class Stage:
         self.k = cfg.stage
         self.bp = cfg.schedule != "zerolock"  # BP baselines run the chunk's BP program
         entry = {**chunk, **chunk["bp"]} if self.bp else chunk
-        self.program = load_program(export_dir, entry)  # zl_mobile.backends.Backend.load picks the runtime
+        # zl_mobile.backends.Backend.load picks the runtime; ZeroLock runs each phase 2 right after
+        # its phase 1, so phase 1's saved activations can stay in its arena (ChunkProgram)
+        self.program = load_program(export_dir, entry, in_place=not self.bp)
         self.first_input = chunk["first_input"]
         self.is_last = cfg.stage == cfg.num_stages - 1
         probe = next((t for t in self.program.input_spec("phase1") if t["name"] == "grad_probe"), None)
