@@ -57,14 +57,12 @@ FINDINGS = "### Findings"
 
 def _runtime_imports():
     """Everything a device-side process imports to run a chunk (the baseline process too)."""
-    import torch  # noqa: F401
-    from executorch.extension.pybindings import portable_lib
-
     from exporter.chunk_model import example_inputs, input_names
     from exporter.config import ExportConfig
     from exporter.verify import sample_lora
+    from zl_mobile.et_runtime import runtime
     from zl_mobile.program import ChunkProgram
-    return portable_lib, example_inputs, input_names, ExportConfig, sample_lora, ChunkProgram
+    return runtime(), example_inputs, input_names, ExportConfig, sample_lora, ChunkProgram
 
 
 def _batch(manifest, entry):
@@ -131,11 +129,11 @@ def worker(a) -> dict:
     if a.worker == "eager":
         return eager_worker(a)
     import torch
-    portable_lib, _, _, _, sample_lora, ChunkProgram = _runtime_imports()
+    rt, _, _, _, sample_lora, ChunkProgram = _runtime_imports()
     torch.set_num_threads(a.threads)
-    portable_lib._unsafe_reset_threadpool(a.threads)
+    rt._unsafe_reset_threadpool(a.threads)
     out = {"threads_torch": torch.get_num_threads(),
-           "threads_executorch": portable_lib._threadpool_get_thread_count()}
+           "threads_executorch": rt._threadpool_get_thread_count()}
     gc.collect()
     out["after_import"] = memory_snapshot()
     if a.worker == "baseline":
@@ -303,14 +301,14 @@ def interleaved_times(chunk, manifest, entry, export_dir: Path, steps: int, warm
     alternating step by step in this process, so that load from other processes on the machine
     hits both alike."""
     import torch
-    from executorch.extension.pybindings import portable_lib
 
     from exporter.chunk_model import peft_name
     from exporter.verify import sample_lora
+    from zl_mobile.et_runtime import runtime
     from zl_mobile.program import ChunkProgram
 
     torch.set_num_threads(threads)
-    portable_lib._unsafe_reset_threadpool(threads)
+    runtime()._unsafe_reset_threadpool(threads)
     inputs, batch = _batch(manifest, entry)
     lora = sample_lora(entry, 0)
     params = set_lora(chunk, lora)

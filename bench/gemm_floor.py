@@ -45,7 +45,7 @@ def _programs(w, layout: str):
     import torch.nn.functional as F
     from executorch.backends.xnnpack import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge, to_edge_transform_and_lower
-    from executorch.extension.pybindings.portable_lib import _load_for_executorch_from_buffer
+    from zl_mobile.et_runtime import runtime
 
     class Gemm(nn.Module):
         def __init__(self):
@@ -66,7 +66,7 @@ def _programs(w, layout: str):
             _check_ir_validity=False, preserve_ops=[torch.ops.aten.linear.default])).to_executorch().buffer,
     }
     # the runtime reads the program from the buffer for the module's life: keep both
-    return a, {v: (b, _load_for_executorch_from_buffer(b)) for v, b in bufs.items()}
+    return a, {v: (b, runtime()._load_for_executorch_from_buffer(b)) for v, b in bufs.items()}
 
 
 def _time(fn, reps: int) -> float:
@@ -120,20 +120,17 @@ def layer_totals(rows: list[dict]) -> list[dict]:
 def print_tables(rows, totals, console) -> None:
     from rich.table import Table
 
-    t = Table(title="GEMM time, M=128 rows: ExecuTorch / eager PyTorch (same process, same threads)")
-    for c in ("weight", "layout", "GFLOP", "eager", *VARIANTS):
-        t.add_column(c, justify="left" if c in ("weight", "layout") else "right")
-    for r in rows:
-        t.add_row(r["weight"], r["layout"], f"{r['gflop']:.2f}", f"{r['eager_s'] * 1e3:.1f} ms",
-                  *(f"{r[f'{v}_s'] * 1e3:.1f} ms ({r[f'{v}_s'] / r['eager_s']:.2f}x)" for v in VARIANTS))
-    console.print(t)
-    s = Table(title="summed: the floor under the export benchmark's step-time ratio")
-    for c in ("what", "layout", "GFLOP", "eager", *VARIANTS):
-        s.add_column(c, justify="left" if c in ("what", "layout") else "right")
-    for r in totals:
-        s.add_row(r["what"], r["layout"], f"{r['gflop']:.1f}", f"{r['eager_s'] * 1e3:.1f} ms",
-                  *(f"{r[f'{v}_s'] * 1e3:.1f} ms ({r[f'{v}_ratio']:.2f}x)" for v in VARIANTS))
-    console.print(s)
+    def table(title, key, items):
+        t = Table(title=title)
+        for c in (key, "layout", "GFLOP", "eager", *VARIANTS):
+            t.add_column(c, justify="left" if c in (key, "layout") else "right")
+        for r in items:
+            t.add_row(r[key], r["layout"], f"{r['gflop']:.2f}", f"{r['eager_s'] * 1e3:.1f} ms",
+                      *(f"{r[f'{v}_s'] * 1e3:.1f} ms ({r[f'{v}_s'] / r['eager_s']:.2f}x)" for v in VARIANTS))
+        console.print(t)
+
+    table("GEMM time, M=128 rows: ExecuTorch / eager PyTorch (same process, same threads)", "weight", rows)
+    table("summed: the floor under the export benchmark's step-time ratio", "what", totals)
 
 
 def main(argv=None) -> int:
@@ -144,11 +141,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
 
     import torch
-    from executorch.extension.pybindings import portable_lib
     from rich.console import Console
 
+    from zl_mobile.et_runtime import runtime
+
     torch.set_num_threads(a.threads)
-    portable_lib._unsafe_reset_threadpool(a.threads)
+    runtime()._unsafe_reset_threadpool(a.threads)
     console = Console()
     t0 = time.time()
     rows = measure(a.reps, lambda m: console.print(f"[dim]{time.time() - t0:6.1f}s[/] {m}"))

@@ -59,12 +59,9 @@ def feed_inputs(entry: dict, manifest: dict, n: int, seed: int = 0):
 
 def worker(export_dir: Path, chunk: int, micro_batches: int, window: int, gap_s: float, threads: int) -> dict:
     """The measuring process: a stage, a feeder link and a PSS sampler, nothing else."""
-    import torch
+    from zl_mobile.backends import Backend
 
-    torch.set_num_threads(threads)
-    from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
-
-    _unsafe_reset_threadpool(threads)
+    Backend.from_args("executorch").set_threads(threads)  # torch's and ExecuTorch's threads, as a phone sets them
     from zl_mobile.links import OutboundLink
     from zl_mobile.protocol import Message, MsgType
     from zl_mobile.stage import Stage, StageConfig

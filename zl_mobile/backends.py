@@ -49,7 +49,8 @@ class Backend:
         if self.name != "executorch":
             return
         try:
-            import executorch.extension.pybindings.portable_lib  # noqa: F401
+            from .et_runtime import runtime
+            runtime()
         except (ImportError, OSError) as e:
             raise BackendError(f"ExecuTorch cannot be imported here ({type(e).__name__}: {e}): install "
                                "executorch==1.5.1 with torch 2.13.0 (pyproject.toml), or run the chunk in eager "
@@ -81,11 +82,12 @@ class Backend:
 
         torch.set_num_threads(n)
         if self.name == "executorch":
+            from .et_runtime import runtime
             try:
-                from executorch.extension.pybindings.portable_lib import _unsafe_reset_threadpool
+                rt = runtime()
             except ImportError:
                 return
-            _unsafe_reset_threadpool(n)
+            rt._unsafe_reset_threadpool(n)
 
     def load(self, export_dir: Path, chunk: dict, in_place: bool = False):
         """The chunk's program (ZeroLock entry, or BP entry {**chunk, **chunk["bp"]});

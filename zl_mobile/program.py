@@ -77,7 +77,7 @@ class ChunkProgram(NamedMethods):
     several forwards. A phase 2 on overwritten activations is refused, never run."""
 
     def __init__(self, export_dir: Path, chunk: dict, in_place: bool = False, etdump: bool = False):
-        from executorch.extension.pybindings.portable_lib import _load_for_executorch
+        from .et_runtime import runtime
 
         super().__init__(chunk)
         self.in_place = in_place
@@ -85,7 +85,7 @@ class ChunkProgram(NamedMethods):
         pte = Path(export_dir) / chunk["program"]
         ptd = Path(export_dir) / chunk["weights"]
         try:
-            self._module = _load_for_executorch(str(pte), data_path=str(ptd), enable_etdump=etdump)
+            self._module = runtime()._load_for_executorch(str(pte), data_path=str(ptd), enable_etdump=etdump)
         except Exception as e:  # the runtime raises RuntimeError with an error code only
             raise ProgramError(f"ExecuTorch could not load {pte.name} with {ptd.name} ({e}): "
                                "re-push the program and weights (their sha256 must match the manifest)") from None
