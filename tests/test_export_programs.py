@@ -225,3 +225,40 @@ def test_training_metadata_refuses_gradients_that_are_not_last():
                   "__et_training_fqn_m": ["a", "b"]}
     with pytest.raises(ValueError, match="must come last"):
         training_constant_methods({"m": {"outputs": [{"name": "grad:a"}, {"name": "loss"}, {"name": "grad:b"}]}})
+
+
+def test_running_a_chunk_leaves_the_compiler_unimported(small_export):
+    """A phone process (its modules, a chunk loaded through the backend, one step) never imports
+    ExecuTorch's compiler side or what it drags in (portable_lib would: 130 MiB of PSS)."""
+    import subprocess
+    import sys
+
+    out, manifest, _, _ = small_export
+    script = f"""
+import json, sys
+from pathlib import Path
+import zl_mobile.phone, zl_mobile.stage, zl_mobile.device
+from zl_mobile.backends import Backend
+from exporter.chunk_model import example_inputs, input_names
+from exporter.config import ExportConfig
+from exporter.verify import sample_lora
+out = Path({str(out)!r})
+manifest = json.loads((out / "manifest.json").read_text())
+entry, e, mc = manifest["chunks"][1], manifest["export"], manifest["model"]["config"]
+backend = Backend.from_args("executorch")
+backend.check_runtime()
+backend.set_threads(1)
+prog = backend.load(out, entry, in_place=True)
+class C: is_first = False
+cfg = ExportConfig(seq_len=e["seq_len"], micro_batch=e["micro_batch"], loss_positions=e["loss_positions"])
+batch = dict(zip(input_names(False), example_inputs(C, cfg, mc["vocab_size"], mc["hidden_size"])))
+lora = sample_lora(entry, 0)
+h, saved = prog.phase1(lora, batch)
+print(prog.phase2(lora, saved, batch).loss)
+print(sorted(m for m in ("executorch.exir", "sympy", "networkx", "torchao", "transformers", "peft") if m in sys.modules))
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    loss, loaded = r.stdout.strip().splitlines()[-2:]
+    assert float(loss) > 0
+    assert loaded == "[]", f"a phone process imported {loaded}"
