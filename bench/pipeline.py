@@ -29,7 +29,9 @@ Usage:
   python bench/pipeline.py --export DIR [--windows 4] [--methods zerolock,gpipe,1f1b,pipedream]
         [--sweep-methods zerolock,1f1b,pipedream] [--rates none,300,100,50]
         [--stages 2|3|4] [--backend executorch|eager] [--torch-device cpu|cuda] [--cores-per-stage C]
-Results: bench/results/pipeline.json; plots bench/results/pipeline_pss.png, pipeline_link.png (named after --out).
+Results: bench/results/pipeline.json; plots bench/results/pipeline_pss.png, pipeline_link.png,
+pipeline_timeline.png (each stage's phases per method, Local link; named after --out).
+The b/m sweep and the largest b under a memory cap: bench/pipeline_sweep.py.
 """
 from __future__ import annotations
 
@@ -127,7 +129,8 @@ def analyse(result, records, chunks, schedule, window_size, micro_batch, windows
             "pss_peak_mean": sum(pss) / len(pss), "pss_peak_max": max(pss),
             "act_mean": sum(acts) / len(acts), "act_max": max(acts),
             "active_fraction_mean": sum(fr) / len(fr) if fr else None,
-            "last_loss": losses[-1] if losses else None, "errors": result["errors"]}
+            "last_loss": losses[-1] if losses else None, "errors": result["errors"],
+            "timeline": [{"stage": r["stage"], "spans": r.get("spans", [])} for r in tel]}
 
 
 def merge(reps: list) -> dict:
@@ -189,6 +192,13 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
     ax.set_title("throughput vs link")
     ax.legend()
     paths.append(_save(fig, out_dir / f"{stem}_link.png"))
+
+    from host.report import draw_timeline
+
+    fig, axes = plt.subplots(len(base), 1, figsize=(11, 0.2 + (0.9 + 0.4 * n_st) * len(base)), squeeze=False)
+    for ax, r in zip(axes[:, 0], base):
+        draw_timeline(ax, r["timeline"], f"{r['method']} (Local link)")
+    paths.append(_save(fig, out_dir / f"{stem}_timeline.png"))
     return paths
 
 

@@ -57,21 +57,8 @@ def write_report(run_dir: Path, summary: dict) -> Path:
     fig.savefig(run_dir / "memory.png", dpi=110)
     plt.close(fig)
 
-    colors = {"phase1": "tab:blue", "phase2": "tab:orange", "step": "tab:green", "wait": "0.85"}
     fig, ax = plt.subplots(figsize=(11, 1 + 0.6 * max(len(stages), 1)))
-    for k in stages:
-        for r in tel:
-            if r["stage"] != k:
-                continue
-            for kind, a, b in r.get("spans", []):
-                if kind != "wait":
-                    ax.barh(k, b - a, left=a - t0, color=colors.get(kind, "k"), height=0.6)
-    for kind, c in colors.items():
-        if kind != "wait":
-            ax.barh(-10, 0, color=c, label=kind)
-    ax.set(ylim=(-0.5, len(stages) - 0.5), yticks=stages, yticklabels=[f"stage {k}" for k in stages],
-           xlabel="time (s); gaps are waiting", title="stage activity timeline")
-    ax.legend(loc="upper right", ncol=3, fontsize=8)
+    draw_timeline(ax, tel, "stage activity timeline")
     fig.tight_layout()
     fig.savefig(run_dir / "timeline.png", dpi=110)
     plt.close(fig)
@@ -107,6 +94,25 @@ def write_report(run_dir: Path, summary: dict) -> Path:
           "|---|---|---|---|---|---|---|---|---|", *win_rows, ""]
     (run_dir / "report.md").write_text("\n".join(md))
     return run_dir / "report.md"
+
+
+TIMELINE_COLORS = {"phase1": "tab:blue", "phase2": "tab:orange", "step": "tab:green"}
+
+
+def draw_timeline(ax, tel: list[dict], title: str) -> None:
+    """Each stage's activity spans (phase 1, phase 2, optimizer step) from micro-batch telemetry
+    records ({"stage", "spans": [(kind, start, end)]}) on one axis; gaps are waiting."""
+    stages = sorted({r["stage"] for r in tel})
+    t0 = min((a for r in tel for kind, a, _ in r.get("spans", []) if kind in TIMELINE_COLORS), default=0.0)
+    for r in tel:
+        for kind, a, b in r.get("spans", []):
+            if kind in TIMELINE_COLORS:
+                ax.barh(r["stage"], b - a, left=a - t0, color=TIMELINE_COLORS[kind], height=0.6)
+    for kind, c in TIMELINE_COLORS.items():
+        ax.barh(-10, 0, color=c, label=kind)
+    ax.set(ylim=(-0.5, len(stages) - 0.5), yticks=stages, yticklabels=[f"stage {k}" for k in stages],
+           xlabel="time (s); gaps are waiting", title=title)
+    ax.legend(loc="upper right", ncol=3, fontsize=8)
 
 
 def _num(v) -> str:
