@@ -180,7 +180,7 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
         a.set_xticklabels([r["method"] for r in base])
         a.set_title(title)
         a.legend()
-    paths.append(_save(fig, out_dir / f"{stem}_pss.png"))
+    paths.append(save_figure(fig, out_dir / f"{stem}_pss.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     labels = [LINKS.get(r) or f"{r:g}" for r in rates]
@@ -191,18 +191,18 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
     ax.set_xlabel("link (Local / 300 / 100 / 50 Mbit/s)")
     ax.set_title("throughput vs link")
     ax.legend()
-    paths.append(_save(fig, out_dir / f"{stem}_link.png"))
+    paths.append(save_figure(fig, out_dir / f"{stem}_link.png"))
 
     from host.report import draw_timeline
 
     fig, axes = plt.subplots(len(base), 1, figsize=(11, 0.2 + (0.9 + 0.4 * n_st) * len(base)), squeeze=False)
     for ax, r in zip(axes[:, 0], base):
         draw_timeline(ax, r["timeline"], f"{r['method']} (Local link)")
-    paths.append(_save(fig, out_dir / f"{stem}_timeline.png"))
+    paths.append(save_figure(fig, out_dir / f"{stem}_timeline.png"))
     return paths
 
 
-def _save(fig, path: Path) -> str:
+def save_figure(fig, path: Path) -> str:
     import matplotlib.pyplot as plt
 
     fig.tight_layout()

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MiB, REPO, bench_micro_batches, machine, now_iso  # noqa: E402
-from pipeline import analyse, chunk_spec, run_once  # noqa: E402
+from pipeline import analyse, chunk_spec, run_once, save_figure  # noqa: E402
 
 METHODS = ("zerolock", "gpipe", "1f1b", "pipedream")
 
@@ -71,10 +71,7 @@ def plot(rows: list[dict], cap_bytes: float, path: Path) -> str:
     for ax in (ax1, ax2):
         ax.tick_params(axis="x", rotation=45)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return str(path)
+    return save_figure(fig, path)
 
 
 def main(argv=None) -> int:
