@@ -92,6 +92,17 @@ def set_lora(chunk, lora: dict) -> dict:
     return params
 
 
+def timed_eager_step(chunk, inputs, params: dict) -> tuple[float, float, float]:
+    """One eager forward + loss.backward() from cleared gradients: (forward s, backward s, loss)."""
+    for p in params.values():
+        p.grad = None
+    t0 = time.perf_counter()
+    loss = chunk(*inputs)[0]
+    t1 = time.perf_counter()
+    loss.backward()
+    return t1 - t0, time.perf_counter() - t1, loss.item()
+
+
 def eager_worker(a) -> dict:
     """The chunk's eager forward + backward alone in a process (no ExecuTorch runtime loaded), as
     the ExecuTorch steps run alone in the "run" worker: the two runtimes' thread pools slow each
@@ -112,17 +123,11 @@ def eager_worker(a) -> dict:
     inputs = example_inputs(chunk, cfg, mc["vocab_size"], mc["hidden_size"], seed=1)  # as _batch
     fw, bw = [], []
     for i in range(a.warmup + a.steps):
-        for p in params.values():
-            p.grad = None
-        t0 = time.perf_counter()
-        loss = chunk(*inputs)[0]
-        t1 = time.perf_counter()
-        loss.backward()
-        t2 = time.perf_counter()
+        f, b, loss = timed_eager_step(chunk, inputs, params)
         if i >= a.warmup:
-            fw.append(t1 - t0)
-            bw.append(t2 - t1)
-    return {"forward_s": fw, "backward_s": bw, "loss": loss.item(), "threads_torch": torch.get_num_threads()}
+            fw.append(f)
+            bw.append(b)
+    return {"forward_s": fw, "backward_s": bw, "loss": loss, "threads_torch": torch.get_num_threads()}
 
 
 def worker(a) -> dict:
@@ -316,22 +321,16 @@ def interleaved_times(chunk, manifest, entry, export_dir: Path, steps: int, warm
     prog = ChunkProgram(export_dir, entry, in_place=True)
     fw, bw, p1, p2 = [], [], [], []
     for i in range(warmup + steps):
-        for p in params.values():
-            p.grad = None
-        t0 = time.perf_counter()
-        loss, task, consis, h = chunk(*inputs)
-        t1 = time.perf_counter()
-        loss.backward()
+        f, b, loss = timed_eager_step(chunk, inputs, params)
         t2 = time.perf_counter()
-        del h, task, consis
         h_et, saved = prog.phase1(lora, batch)
         t3 = time.perf_counter()
         res = prog.phase2(lora, saved, batch)
         t4 = time.perf_counter()
         del h_et, saved
         if i >= warmup:
-            fw.append(t1 - t0)
-            bw.append(t2 - t1)
+            fw.append(f)
+            bw.append(b)
             p1.append(t3 - t2)
             p2.append(t4 - t3)
     grads_e = {g: params[to_local[g]].grad for g in lora}
@@ -340,7 +339,7 @@ def interleaved_times(chunk, manifest, entry, export_dir: Path, steps: int, warm
     for p in params.values():
         p.grad = None
     del prog
-    return {"forward_s": fw, "backward_s": bw, "loss": loss.item(), "et_phase1_s": p1, "et_phase2_s": p2,
+    return {"forward_s": fw, "backward_s": bw, "loss": loss, "et_phase1_s": p1, "et_phase2_s": p2,
             "et_loss": res.loss, "max_rel_grad_diff": rel}
 
 
@@ -381,13 +380,13 @@ def summarize(manifest, entry, export_dir: Path, eager, rounds, base, ops, a, lp
     h_bytes = e["micro_batch"] * e["seq_len"] * mc["hidden_size"] * 4
     ptd = (d / entry["weights"]).stat().st_size
     floor = ptd + entry["saved_activation_bytes"] + h_bytes
-    # primary timing: interleaved with eager in the main process; fallback: the memory worker's
+    et, eager_alone = rounds[0]
+    # interleaved with eager in the main process; without eager, the first ExecuTorch-alone worker's
     src = eager if eager else {"et_phase1_s": et["phase1_s"], "et_phase2_s": et["phase2_s"]}
     p1, p2 = median(src["et_phase1_s"]), median(src["et_phase2_s"])
-    et_step = median([x + y for x, y in zip(src["et_phase1_s"], src["et_phase2_s"])])
+    et_step = step_s(src, "et_phase1_s", "et_phase2_s")
     fw, bw = (median(eager["forward_s"]), median(eager["backward_s"])) if eager else (None, None)
-    eager_step = median([x + y for x, y in zip(eager["forward_s"], eager["backward_s"])]) if eager else None
-    et, eager_alone = rounds[0]
+    eager_step = step_s(eager, "forward_s", "backward_s") if eager else None
     # the verdict: each runtime alone in its own process, as a phone runs only ExecuTorch
     et_steps = [step_s(r, "phase1_s", "phase2_s") for r, _ in rounds]
     eager_steps = [step_s(r, "forward_s", "backward_s") for _, r in rounds if r]
@@ -464,10 +463,10 @@ def print_tables(rows, console):
         t.add_row(str(r["chunk"]), str(r["loss_positions"]), fmt_ms(r["et_phase1_s_fresh_process"]),
                   fmt_ms(r["et_phase2_s_fresh_process"]), fmt_ms(r["et_step_s_fresh_process"]),
                   fmt_ms(r["eager_step_s_fresh_process"]),
-                  f"{r['time_ratio']:.2f}x" if r["time_ratio"] else "-",
+                  fmt_x(r["time_ratio"]),
                   "-" if ok is None else ("[green]met[/]" if ok else "[red]missed[/]"),
                   f"{fmt_ms(r['et_step_s'])} / {fmt_ms(r['eager_step_s'])}",
-                  f"{r['time_ratio_interleaved']:.2f}x" if r["time_ratio_interleaved"] else "-")
+                  fmt_x(r["time_ratio_interleaved"]))
     console.print(t)
     t = Table(title=f"memory of a process that loads one chunk and runs steps (target <= {MEM_TARGET}x floor)")
     for c in ("chunk", "N", "floor", "peak PSS", "ratio", "baseline PSS", "ratio net", "target / net",
@@ -492,6 +491,10 @@ def print_tables(rows, console):
             for p in r["profile"][:14]:
                 t.add_row(p["block"], p["op"], str(p["calls"]), f"{p['ms']:.1f}")
             console.print(t)
+
+
+def fmt_x(ratio):
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def fmt_ms(s):
@@ -551,9 +554,9 @@ def markdown(rows, meta) -> str:
             f"| {mib(r['ptd_bytes'])} | {mib(r['saved_activation_bytes'])} | {r['steps']} "
             f"| {fmt_ms(r['et_phase1_s_fresh_process'])} | {fmt_ms(r['et_phase2_s_fresh_process'])} "
             f"| {fmt_ms(r['et_step_s_fresh_process'])} | {fmt_ms(r['eager_step_s_fresh_process'])} "
-            f"| {r['time_ratio']:.2f}x ({', '.join(f'{x:.2f}' for x in r['round_ratios'])}) "
-            f"| {'met' if r['time_ok'] else '**missed**'} "
-            f"| {fmt_ms(r['et_step_s'])} / {fmt_ms(r['eager_step_s'])} = {r['time_ratio_interleaved']:.2f}x |")
+            f"| {fmt_x(r['time_ratio'])} ({', '.join(f'{x:.2f}' for x in r['round_ratios'])}) "
+            f"| {'-' if r['time_ok'] is None else 'met' if r['time_ok'] else '**missed**'} "
+            f"| {fmt_ms(r['et_step_s'])} / {fmt_ms(r['eager_step_s'])} = {fmt_x(r['time_ratio_interleaved'])} |")
     out += ["", "\\* of the exporting process, which also holds the whole 22-layer model (4.6 GiB RSS).",
             "", "| chunk | N | floor | peak PSS | ratio | baseline PSS (imports only) | net ratio "
                 "| memory target (ratio / net) | PSS after a step | planned phase1 / phase2 | peak RSS (ratio) |",
