@@ -12,8 +12,8 @@ import re
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
+from . import readout_loss
 from .config import ExportConfig
 from .marker import pipeline_marker
 
@@ -84,10 +84,6 @@ class ChunkModel(nn.Module):
         """Chunk-local name -> parameter, in a fixed order."""
         return {n: p for n, p in self.named_parameters() if "lora_" in n}
 
-    def readout(self, rows):
-        x = self.norm(rows)
-        return torch.cat([F.linear(x, w) for w in self.lm_head_blocks], dim=-1)
-
     @property
     def vocab_size(self) -> int:
         return sum(w.shape[0] for w in self.lm_head_blocks)
@@ -101,18 +97,17 @@ class ChunkModel(nn.Module):
         return h
 
     def local_loss(self, h_in, h, loss_index, loss_target, loss_weight, alpha):
+        """alpha * CE + (1 - alpha) * KL(p_k || stopgrad p_{k-1}) over the valid rows; p_{k-1} is
+        recomputed here from h_{k-1}. The readout's gradient is written out (readout_loss)."""
         d = h.shape[-1]
-        z = self.readout(h.reshape(-1, d).index_select(0, loss_index))  # [N, V]
-        logp = F.log_softmax(z, dim=-1)
-        with torch.no_grad():  # stop-gradient target p_{k-1}, recomputed here from h_{k-1}
-            logq = F.log_softmax(self.readout(h_in.reshape(-1, d).index_select(0, loss_index)), dim=-1)
-        denom = loss_weight.sum().clamp(min=1.0)
-        nll = -logp.gather(1, loss_target.unsqueeze(1)).squeeze(1)
-        task = (nll * loss_weight).sum() / denom
-        kl = (logp.exp() * (logp - logq)).sum(-1)
-        consis = (kl * loss_weight).sum() / denom
+        u = self.norm(h.reshape(-1, d).index_select(0, loss_index))  # [N, d]
         a = alpha.reshape(())
-        return a * task + (1.0 - a) * consis, task, consis
+        with torch.no_grad():
+            u_prev = self.norm(h_in.reshape(-1, d).index_select(0, loss_index))
+            task, consis, grad_u = readout_loss.loss_and_grad(u, u_prev, loss_target, loss_weight, a,
+                                                              self.lm_head_blocks)
+        loss = readout_loss.with_gradient(a * task + (1.0 - a) * consis, u, grad_u)
+        return loss, task, consis
 
     def forward(self, x, attention_mask, position_ids, loss_index, loss_target, loss_weight, alpha):
         h_in = self.embed(x) if self.is_first else x
@@ -178,9 +173,9 @@ class BPChunkModel(ChunkModel):
 
     def global_loss(self, h, loss_index, loss_target, loss_weight):
         d = h.shape[-1]
-        logp = F.log_softmax(self.readout(h.reshape(-1, d).index_select(0, loss_index)), dim=-1)
-        nll = -logp.gather(1, loss_target.unsqueeze(1)).squeeze(1)
-        return (nll * loss_weight).sum() / loss_weight.sum().clamp(min=1.0)
+        u = self.norm(h.reshape(-1, d).index_select(0, loss_index))
+        task, _, grad_u = readout_loss.loss_and_grad(u, None, loss_target, loss_weight, 1.0, self.lm_head_blocks)
+        return readout_loss.with_gradient(task, u, grad_u)
 
     def forward(self, x, attention_mask, position_ids, *tail):
         h_in = self.embed(x) if self.is_first else x + getattr(self, PROBE)

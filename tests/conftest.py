@@ -1,4 +1,4 @@
-"""Shared fixtures: a small Llama (4 layers) written as a HF directory and exported once per
+"""Shared fixtures: a small Llama (3 layers) written as a HF directory and exported once per
 session in two chunks, so tests that need real programs share one export."""
 from __future__ import annotations
 
@@ -11,6 +11,16 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 SMALL_LAYERS = 3
 SMALL_CHUNKS = "0-0,1-1,2-2"  # three one-layer chunks: three emulated phones
+
+
+def matmul_flops(ep) -> int:
+    """FLOPs of the matmuls (mm, bmm, addmm) in an exported program's graph."""
+    total = 0
+    for n in ep.graph.nodes:
+        if n.op == "call_function" and any(k in str(n.target) for k in ("aten.mm", "aten.bmm", "aten.addmm")):
+            a, b = [x.meta["val"] for x in n.args[-2:]]
+            total += 2 * a.numel() * b.shape[-1]
+    return total
 
 
 def small_export_config(**kw):
@@ -64,8 +74,9 @@ def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int 
 
 
 def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones: int = 3, on_event=None,
-                 phone_args=None):
-    """Start n emulated phones (real processes), run the coordinator to the end, stop them.
+                 phone_args=None, network=None):
+    """Start n emulated phones (real processes; with `network`, an open host.netns.ShapedNetwork,
+    each in its own namespace), run the coordinator to the end, stop them.
     Returns (result, metrics records)."""
     import json
 
@@ -74,7 +85,8 @@ def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones
 
     import os
 
-    phones = start_phones(n_phones, root / "phones", prefix=f"t{os.getpid()}-", extra_args=phone_args)
+    phones = start_phones(n_phones, root / "phones", prefix=f"t{os.getpid()}-", extra_args=phone_args,
+                          network=network)
     try:
         devices = [p.handle() for p in phones]
         if settings.max_seconds is None:  # a hang fails the test instead of stalling CI

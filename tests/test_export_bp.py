@@ -13,7 +13,7 @@ from exporter.two_phase import split_at_marker
 from exporter.verify import bp_zero_probe, run_named, sample_lora, verify_all
 from zl_mobile.program import ChunkProgram
 
-from .conftest import SMALL_CHUNKS, small_export_config
+from .conftest import SMALL_CHUNKS, matmul_flops, small_export_config
 
 
 @pytest.fixture(scope="module")
@@ -150,27 +150,19 @@ def test_verify_checks_the_bp_programs(bp_export):
     assert all(d["grads"] < 1e-4 and d["grad_h_in"] < 1e-4 and d["h_out"] < 1e-4 for d in rows)
 
 
-def _matmul_flops(ep):
-    total = 0
-    for n in ep.graph.nodes:
-        if n.op == "call_function" and any(k in str(n.target) for k in ("aten.mm", "aten.bmm", "aten.addmm")):
-            a, b = [x.meta["val"] for x in n.args[-2:]]
-            total += 2 * a.numel() * b.shape[-1]
-    return total
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_bp_backward_does_not_recompute_the_forward(bp_export, k):
     out, manifest, artifacts, cfg = bp_export
     chunk = artifacts[k].bp_chunk
     inputs = bp_example_inputs(chunk, cfg, 512, 64)
     ep = joint_program(chunk, inputs)
-    joint = _matmul_flops(ep)
+    joint = matmul_flops(ep)
     split = split_at_marker(ep, bp_input_names(False, chunk.is_last), ("loss",) if chunk.is_last else ())
-    f1, f2 = _matmul_flops(split.phase1.program), _matmul_flops(split.phase2.program)
+    f1, f2 = matmul_flops(split.phase1.program), matmul_flops(split.phase2.program)
     assert f1 > 0 and f2 > 0 and f1 + f2 == joint  # every matmul of the joint graph runs once
-    fwd_only = _matmul_flops(torch.export.export(chunk, inputs, strict=False).run_decompositions())
-    readout = 2 * cfg.readout_rows * 64 * 512 if chunk.is_last else 0
+    fwd_only = matmul_flops(torch.export.export(chunk, inputs, strict=False).run_decompositions())
+    # the last stage's readout: logits and dL/dz @ lm_head (readout_loss runs both in the forward)
+    readout = 2 * 2 * cfg.readout_rows * 64 * 512 if chunk.is_last else 0
     assert f1 == fwd_only - readout  # the whole forward (less the last stage's readout) is phase 1
 
 

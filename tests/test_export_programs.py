@@ -12,6 +12,7 @@ from exporter.manifest import load_manifest
 from exporter.two_phase import split_at_marker
 from exporter.verify import TOLERANCE, sample_lora, verify_all, verify_chunk
 from zl_mobile.program import ChunkProgram
+from .conftest import matmul_flops
 
 
 def _hf(artifacts):
@@ -68,31 +69,20 @@ def test_verify_catches_a_wrong_program(small_export, tmp_path):
     assert d["h_out"] > TOLERANCE["h_out"]
 
 
-def _matmul_flops(ep):
-    total = 0
-    for n in ep.graph.nodes:
-        if n.op != "call_function":
-            continue
-        name = str(n.target)
-        if any(k in name for k in ("aten.mm", "aten.bmm", "aten.addmm")):
-            a, b = [x.meta["val"] for x in n.args[-2:]]
-            total += 2 * a.numel() * b.shape[-1]
-    return total
-
-
 def test_phase2_does_not_recompute_the_forward(small_export):
     out, manifest, artifacts, cfg = small_export
     art = artifacts[1]
     inputs = example_inputs(art.chunk, cfg, 512, 64)
     ep = joint_program(art.chunk, inputs)
-    joint = _matmul_flops(ep)
+    joint = matmul_flops(ep)
     split = split_at_marker(ep, input_names(False))
-    f1, f2 = _matmul_flops(split.phase1.program), _matmul_flops(split.phase2.program)
+    f1, f2 = matmul_flops(split.phase1.program), matmul_flops(split.phase2.program)
     assert f1 > 0 and f2 > 0
     assert f1 + f2 == joint  # every matmul of the joint graph runs exactly once
     # phase 2 holds no forward-layer matmul: the forward's FLOPs all sit in phase 1
-    fwd_only = _matmul_flops(torch.export.export(art.chunk, inputs, strict=False).run_decompositions())
-    readout = 2 * cfg.readout_rows * 64 * 512 * 2  # two readouts (p_k and p_{k-1})
+    fwd_only = matmul_flops(torch.export.export(art.chunk, inputs, strict=False).run_decompositions())
+    # two readouts (p_k and p_{k-1}) and dL/dz @ lm_head, which readout_loss runs in the forward
+    readout = 3 * 2 * cfg.readout_rows * 64 * 512
     assert f1 == fwd_only - readout
 
 
