@@ -114,10 +114,11 @@ def bench_micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int
 
 
 def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *, prefix: str, extra_args=None,
-                  per_phone_args=None, coordinator_cls=None, on_event=None, max_seconds: float = 240.0):
+                  per_phone_args=None, coordinator_cls=None, on_event=None, max_seconds: float = 240.0,
+                  network=None):
     """One coordinator run over freshly started emulated phones (real processes), stopped
-    afterwards. A hung run ends with RunError after `max_seconds`. Returns (result, metrics
-    records)."""
+    afterwards; with `network` (an open host.netns.ShapedNetwork) each in its own namespace.
+    A hung run ends with RunError after `max_seconds`. Returns (result, metrics records)."""
     import dataclasses
     import json
 
@@ -126,7 +127,7 @@ def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *,
 
     settings = dataclasses.replace(settings, max_seconds=max_seconds)
     phones = start_phones(n_phones, Path(root) / "phones", prefix=f"{prefix}{os.getpid()}-",
-                          extra_args=extra_args, per_phone_args=per_phone_args)
+                          extra_args=extra_args, per_phone_args=per_phone_args, network=network)
     try:
         co = (coordinator_cls or Coordinator)(export_dir, [p.handle() for p in phones], mbs, settings,
                                               Path(root) / "run", run_id="bench", on_event=on_event)

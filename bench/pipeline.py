@@ -11,9 +11,13 @@ Interpretation of the paper's b and m: b = samples per optimizer step, m = micro
 so b=8, m=4 is micro_batch 2 x window_size 4.
 
 Default: two stages (a 2-chunk export with BP programs: zl-export --mode both), one emulated phone
-per core (--cpus i --threads 1), then a link sweep with `--rate-mbit` on every phone (Local = no
-limit, Wi-Fi 300, Mobile 100, Constrained 50 Mbit/s). All methods run side by side per link
-setting, in one script run, and ratios ZeroLock / baseline are printed.
+per core (--cpus i --threads 1), then a link sweep (Local = no limit, Wi-Fi 300, Mobile 100,
+Constrained 50 Mbit/s per phone and direction). `--links netns` (the default where the machine
+allows it: root, iproute2, tbf) runs every phone in its own network namespace behind a veth pair on
+a bridge, both directions shaped by the kernel (host/netns.py); `--links limiter` shapes each
+phone's outgoing frames with the transport's token bucket (zl-phone --rate-mbit) on loopback.
+All methods run side by side per link setting, in one script run, and ratios ZeroLock / baseline
+are printed.
 
 Stages and backends: `--stages 3|4` exports (with --make-export) and runs 3 or 4 chunks of two
 layers each (the model gets 2 x stages layers; 2 stages keep the 6-layer model split 0-2,3-5).
@@ -64,7 +68,7 @@ def stage_cores(i: int, per_stage: int, cores: list[int]) -> list[int]:
 
 
 def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, watchdog_s: float = 180.0,
-             phone_args=(), cores_per_stage: int = 1):
+             phone_args=(), cores_per_stage: int = 1, links: str = "limiter"):
     """One run. PipeDream's schedule (no flush) runs the next window's warm-up forwards before the
     last backwards of a window, so on the run's last window stage k waits for num_stages-1-k
     inputs that the coordinator never feeds (it feeds windows x window_size) and the run hangs.
@@ -85,10 +89,17 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     def args(i):
         mine = stage_cores(i, cores_per_stage, cores)
         a = ["--cpus", ",".join(map(str, mine)), "--threads", str(len(mine)), *phone_args]
-        return a + (["--rate-mbit", str(rate)] if rate else [])
+        return a + (["--rate-mbit", str(rate)] if rate and links == "limiter" else [])
 
-    return run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="pb", per_phone_args=args,
-                         coordinator_cls=BenchCoordinator, max_seconds=watchdog_s)
+    def run(network=None):
+        return run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="pb", per_phone_args=args,
+                             coordinator_cls=BenchCoordinator, max_seconds=watchdog_s, network=network)
+
+    if links == "limiter":
+        return run()
+    from host.netns import ShapedNetwork
+    with ShapedNetwork(n_phones, rate) as network:  # Local too, so only the rate differs across the sweep
+        return run(network)
 
 
 def analyse(result, records, chunks, schedule, window_size, micro_batch, windows) -> dict:
@@ -222,6 +233,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="zerolock,gpipe,1f1b,pipedream")
     ap.add_argument("--sweep-methods", default="zerolock,1f1b,pipedream")
     ap.add_argument("--rates", default="none,300,100,50", help="Mbit/s per phone; 'none' = no limit")
+    ap.add_argument("--links", choices=["auto", "netns", "limiter"], default="auto",
+                    help="how links are shaped: netns (kernel, own namespaces), limiter (the transport's token "
+                         "bucket), auto (netns where the machine allows it)")
     ap.add_argument("--reps", type=int, default=1, help="repeat everything (interleaved); medians are reported")
     ap.add_argument("--stages", type=int, choices=[2, 3, 4], default=None,
                     help="pipeline stages (= chunks of the export; default: the export's); --make-export "
@@ -246,7 +260,15 @@ def main(argv=None) -> int:
         ap.error(str(e))
 
     from exporter.manifest import load_manifest
+    from host import netns
     from host.plan import RunSettings
+
+    why_not = netns.unavailable() if a.links != "limiter" else None
+    if a.links == "netns" and why_not:
+        ap.error(f"--links netns: {why_not}; use --links limiter")
+    links = "limiter" if a.links == "limiter" or why_not else "netns"
+    if a.links == "auto" and why_not:
+        print(f"links: the transport's rate limiter ({why_not})", flush=True)
 
     if a.make_export:
         from recovery import make_export
@@ -273,7 +295,7 @@ def main(argv=None) -> int:
     mbs = bench_micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
     stamp = time.strftime("%H%M%S")
     print(f"{len(chunks)} stages, backend {a.backend}{' on ' + a.torch_device if a.torch_device else ''}, "
-          f"{a.cores_per_stage} core(s) per stage", flush=True)
+          f"{a.cores_per_stage} core(s) per stage, links shaped by {links}", flush=True)
     runs = []
     for rate, m in [(r, m) for _ in range(a.reps) for r in rates
                     for m in (methods if r is None else [x for x in methods if x in sweep])]:
@@ -284,7 +306,7 @@ def main(argv=None) -> int:
             try:
                 res, recs = run_once(a.export, a.work / f"{stamp}-{time.time_ns()}-{m}-{rate}", settings, mbs,
                                      len(chunks), rate, phone_args=phone_args, cores_per_stage=a.cores_per_stage,
-                                     watchdog_s=a.max_seconds)
+                                     watchdog_s=a.max_seconds, links=links)
             except Exception as e:
                 print(f"[{m} @ {rate}] FAILED: {e}", flush=True)
                 continue
@@ -353,7 +375,7 @@ def main(argv=None) -> int:
            "settings": {"windows": a.windows, "window_size": a.window_size, "micro_batch": mb_size, "seq_len": seq,
                         "b_samples_per_step": a.window_size * mb_size, "m_micro_batches_per_step": a.window_size,
                         "inflight_depth": a.inflight_depth, "stages": len(chunks), "backend": a.backend,
-                        "torch_device": a.torch_device, "cores_per_stage": a.cores_per_stage,
+                        "torch_device": a.torch_device, "cores_per_stage": a.cores_per_stage, "links": links,
                         "phones": f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}"},
            "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios, "throughput_vs_link": sweep_tab,
            "rates_mbit": rates, "plots": pics}

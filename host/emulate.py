@@ -9,6 +9,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .netns import PhoneNet, ShapedNetwork
 
 
 class EmulatorError(Exception):
@@ -25,16 +29,22 @@ class EmulatedPhone:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     adopted_pid: int | None = None  # a phone a previous host started, still running (resume)
+    net: "PhoneNet | None" = None  # its own network namespace (host/netns.py); None: loopback
+
+    @property
+    def address(self) -> str:
+        return self.net.address if self.net else "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.address}:{self.port}"
 
     def start(self, timeout: float = 60.0) -> "EmulatedPhone":
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.log_path = self.workdir / "phone.log"
-        cmd = [sys.executable, "-m", "zl_mobile.phone", "--name", self.name, "--workdir", str(self.workdir),
-               "--token", self.token, "--port", str(self.port), *self.extra_args]
+        cmd = [*(self.net.prefix if self.net else []), sys.executable, "-m", "zl_mobile.phone", "--name", self.name,
+               "--workdir", str(self.workdir), "--token", self.token, "--port", str(self.port),
+               *(["--bind", self.net.address] if self.net else []), *self.extra_args]
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
@@ -71,7 +81,7 @@ class EmulatedPhone:
         if pid:
             try:
                 os.kill(pid, 0)
-                socket.create_connection(("127.0.0.1", self.port), timeout=2).close()
+                socket.create_connection((self.address, self.port), timeout=2).close()
                 self.adopted_pid = pid
                 return self
             except OSError:
@@ -131,8 +141,10 @@ def _memory_bytes() -> int:
     return total_memory_bytes()
 
 
-def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_phone_args=None) -> list[EmulatedPhone]:
-    """Start n phones; with 2+ cores each phone is pinned to its own core (round robin)."""
+def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_phone_args=None,
+                 network: "ShapedNetwork | None" = None) -> list[EmulatedPhone]:
+    """Start n phones; with 2+ cores each phone is pinned to its own core (round robin).
+    With `network` (an open host.netns.ShapedNetwork of n phones) phone i runs in its namespace."""
     phones = []
     cores = sorted(os.sched_getaffinity(0))
     try:
@@ -142,7 +154,9 @@ def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_p
                 args += per_phone_args(i)
             elif len(cores) > 1:
                 args += ["--cpus", str(cores[i % len(cores)]), "--threads", "1"]
-            phones.append(EmulatedPhone(f"{prefix}{i}", Path(root) / f"{prefix}{i}", secrets.token_hex(32), args).start())
+            net = network.phones[i] if network else None
+            phones.append(EmulatedPhone(f"{prefix}{i}", Path(root) / f"{prefix}{i}", secrets.token_hex(32), args,
+                                        net=net).start())
     except BaseException:
         for p in phones:
             p.stop()

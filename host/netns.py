@@ -1,0 +1,133 @@
+"""Emulated phones on their own network: one Linux network namespace per phone, joined to the
+host by a veth pair on a bridge (the "access point"), each direction rate-shaped by the kernel.
+
+    host (root namespace)            bridge zlbr<id>, 10.<net>.0.1/24
+      |-- veth h<i>  --tbf rate-->   phone i's download
+      `-- veth p<i> (in netns)       phone i at 10.<net>.0.<i+2>, upload shaped by tbf
+
+Phone-to-phone traffic (hidden states downstream, BP gradients upstream) crosses the bridge, so
+it pays the sender's upload and the receiver's download like two phones on one Wi-Fi. Needs root
+and iproute2 (`ip`, `tc` with tbf); `unavailable()` says why not, and callers fall back to the
+transport's own rate limiter. Added latency needs sch_netem, which not every kernel has."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from dataclasses import dataclass, field
+
+
+class NetnsError(Exception):
+    pass
+
+
+def _ip(*args: str, ns: str | None = None) -> None:
+    cmd = (["ip", "netns", "exec", ns] if ns else []) + list(args)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise NetnsError(f"`{' '.join(cmd)}` failed: {r.stderr.strip() or r.stdout.strip()}")
+
+
+def unavailable() -> str | None:
+    """None when this machine can run phones in shaped namespaces, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, or use the transport's rate limiter)"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
+    probe = f"zlprobe{uuid.uuid4().hex[:6]}"
+    try:
+        _ip("ip", "netns", "add", probe)
+        _ip("ip", "link", "add", "name", "zlva", "type", "veth", "peer", "name", "zlvb", ns=probe)
+        _tbf("zlva", 10.0, ns=probe)
+    except NetnsError as e:
+        return str(e)
+    finally:
+        subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _tbf(dev: str, mbit: float, ns: str | None = None) -> None:
+    # burst: at least one MTU and ~4 ms of traffic, so the shaper does not starve TCP at high rates
+    burst = max(32 << 10, int(mbit * 1e6 / 8 * 0.004))
+    _ip("tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit:g}mbit", "burst", str(burst),
+        "latency", "100ms", ns=ns)
+
+
+@dataclass
+class PhoneNet:
+    """Phone i's namespace: run its process under `prefix`, bind and reach it at `address`."""
+    ns: str
+    address: str
+    host_dev: str
+
+    @property
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.ns]
+
+
+@dataclass
+class ShapedNetwork:
+    """A bridge and n phone namespaces, each link shaped to `rate_mbit` per direction (None: not
+    shaped). Use as a context manager; close() removes everything it made."""
+    n: int
+    rate_mbit: float | None = None
+    phones: list[PhoneNet] = field(default_factory=list)
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
+    subnet: int = 0
+
+    def __post_init__(self):
+        if self.n > 250:
+            raise NetnsError(f"{self.n} phones do not fit one /24 network")
+        # a /24 in 10.200-239.x.x, picked from the tag so concurrent networks rarely collide
+        self.subnet = self.subnet or 200 + int(self.tag, 16) % 40
+
+    @property
+    def bridge(self) -> str:
+        return f"zlbr{self.tag}"
+
+    @property
+    def host_address(self) -> str:
+        return f"10.{self.subnet}.{int(self.tag[:2], 16)}.1"
+
+    def open(self) -> "ShapedNetwork":
+        why = unavailable()
+        if why:
+            raise NetnsError(f"cannot give emulated phones their own network: {why}")
+        net = self.host_address.rsplit(".", 1)[0]
+        try:
+            _ip("ip", "link", "add", self.bridge, "type", "bridge")
+            _ip("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
+            _ip("ip", "link", "set", self.bridge, "up")
+            for i in range(self.n):
+                ns, h, p = f"zl{self.tag}p{i}", f"zl{self.tag}h{i}", f"zl{self.tag}v{i}"
+                addr = f"{net}.{i + 2}"
+                _ip("ip", "netns", "add", ns)
+                self.phones.append(PhoneNet(ns, addr, h))
+                _ip("ip", "link", "add", h, "type", "veth", "peer", "name", p)
+                _ip("ip", "link", "set", p, "netns", ns)
+                _ip("ip", "link", "set", h, "master", self.bridge)
+                _ip("ip", "link", "set", h, "up")
+                _ip("ip", "addr", "add", f"{addr}/24", "dev", p, ns=ns)
+                _ip("ip", "link", "set", p, "up", ns=ns)
+                _ip("ip", "link", "set", "lo", "up", ns=ns)
+                if self.rate_mbit:
+                    _tbf(h, self.rate_mbit)          # into the phone (download)
+                    _tbf(p, self.rate_mbit, ns=ns)   # out of the phone (upload)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        for ph in self.phones:  # deleting a namespace deletes its veth end, and so the pair
+            subprocess.run(["ip", "netns", "del", ph.ns], capture_output=True)
+        self.phones = []
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def __enter__(self) -> "ShapedNetwork":
+        return self.open()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
