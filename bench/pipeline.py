@@ -12,7 +12,9 @@ so b=8, m=4 is micro_batch 2 x window_size 4.
 
 Default: two stages (a 2-chunk export with BP programs: zl-export --mode both), one emulated phone
 per core (--cpus i --threads 1), then a link sweep (Local = no limit, Wi-Fi 300, Mobile 100,
-Constrained 50 Mbit/s per phone and direction). `--links netns` (the default where the machine
+Constrained 50 Mbit/s per phone and direction, with 0 / 2 / 20 / 50 ms of one-way latency: each
+phone hands an incoming hidden state or gradient to its stage that much later, zl-phone
+--link-delay-ms, since not every kernel has netem to add it in the network). `--links netns` (the default where the machine
 allows it: root, iproute2, tbf) runs every phone in its own network namespace behind a veth pair on
 a bridge, both directions shaped by the kernel (host/netns.py); `--links limiter` shapes each
 phone's outgoing frames with the transport's token bucket (zl-phone --rate-mbit) on loopback.
@@ -68,7 +70,7 @@ def stage_cores(i: int, per_stage: int, cores: list[int]) -> list[int]:
 
 
 def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, watchdog_s: float = 180.0,
-             phone_args=(), cores_per_stage: int = 1, links: str = "limiter"):
+             phone_args=(), cores_per_stage: int = 1, links: str = "limiter", delay_ms: float = 0.0):
     """One run. PipeDream's schedule (no flush) runs the next window's warm-up forwards before the
     last backwards of a window, so on the run's last window stage k waits for num_stages-1-k
     inputs that the coordinator never feeds (it feeds windows x window_size) and the run hangs.
@@ -89,7 +91,8 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     def args(i):
         mine = stage_cores(i, cores_per_stage, cores)
         a = ["--cpus", ",".join(map(str, mine)), "--threads", str(len(mine)), *phone_args]
-        return a + (["--rate-mbit", str(rate)] if rate and links == "limiter" else [])
+        return (a + (["--rate-mbit", str(rate)] if rate and links == "limiter" else [])
+                + (["--link-delay-ms", f"{delay_ms:g}"] if delay_ms else []))
 
     def run(network=None):
         return run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="pb", per_phone_args=args,
@@ -194,12 +197,16 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
     paths.append(save_figure(fig, out_dir / f"{stem}_pss.png"))
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
-    labels = [LINKS.get(r) or f"{r:g}" for r in rates]
+    def label(r):
+        d = next((x.get("delay_ms") for x in runs if x["rate_mbit"] == r), 0)
+        return (LINKS.get(r) or f"{r:g}") + (f"\n{r:g} Mbit/s" if r else "") + (f", {d:g} ms" if d else "")
+
+    labels = [label(r) for r in rates]
     for m in sweep_methods:
         ys = [next((x["throughput_sps"] for x in runs if x["method"] == m and x["rate_mbit"] == r), None) for r in rates]
         ax.plot(labels, ys, marker="o", label=m)
     ax.set_ylabel("samples/s (steady state)")
-    ax.set_xlabel("link (Local / 300 / 100 / 50 Mbit/s)")
+    ax.set_xlabel("link (rate per phone and direction, one-way latency)")
     ax.set_title("throughput vs link")
     ax.legend()
     paths.append(save_figure(fig, out_dir / f"{stem}_link.png"))
@@ -233,6 +240,8 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="zerolock,gpipe,1f1b,pipedream")
     ap.add_argument("--sweep-methods", default="zerolock,1f1b,pipedream")
     ap.add_argument("--rates", default="none,300,100,50", help="Mbit/s per phone; 'none' = no limit")
+    ap.add_argument("--delays-ms", default="0,2,20,50",
+                    help="one-way latency per --rates entry (zl-phone --link-delay-ms), same order")
     ap.add_argument("--links", choices=["auto", "netns", "limiter"], default="auto",
                     help="how links are shaped: netns (kernel, own namespaces), limiter (the transport's token "
                          "bucket), auto (netns where the machine allows it)")
@@ -292,6 +301,10 @@ def main(argv=None) -> int:
     methods = a.methods.split(",")
     sweep = a.sweep_methods.split(",")
     rates = [None if r == "none" else float(r) for r in a.rates.split(",")]
+    delays = [float(d) for d in a.delays_ms.split(",")]
+    if len(delays) != len(rates):
+        ap.error(f"--delays-ms has {len(delays)} values for {len(rates)} --rates: give one per rate")
+    delay_of = dict(zip(rates, delays))
     mbs = bench_micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
     stamp = time.strftime("%H%M%S")
     print(f"{len(chunks)} stages, backend {a.backend}{' on ' + a.torch_device if a.torch_device else ''}, "
@@ -306,12 +319,12 @@ def main(argv=None) -> int:
             try:
                 res, recs = run_once(a.export, a.work / f"{stamp}-{time.time_ns()}-{m}-{rate}", settings, mbs,
                                      len(chunks), rate, phone_args=phone_args, cores_per_stage=a.cores_per_stage,
-                                     watchdog_s=a.max_seconds, links=links)
+                                     watchdog_s=a.max_seconds, links=links, delay_ms=delay_of[rate])
             except Exception as e:
                 print(f"[{m} @ {rate}] FAILED: {e}", flush=True)
                 continue
             s = analyse(res, recs, chunks, m, a.window_size, mb_size, a.windows)
-            s.update(method=m, rate_mbit=rate, link=LINKS.get(rate, f"{rate} Mbit/s"))
+            s.update(method=m, rate_mbit=rate, delay_ms=delay_of[rate], link=LINKS.get(rate, f"{rate} Mbit/s"))
             runs.append(s)
             print(f"[{m} @ {s['link']}] {time.time() - t:.1f} s: {s['throughput_sps']:.2f} samples/s, "
                   f"PSS peak mean/max {s['pss_peak_mean'] / MiB:.0f}/{s['pss_peak_max'] / MiB:.0f} MiB, "
@@ -353,7 +366,8 @@ def main(argv=None) -> int:
               f"activations max {ratios[m]['act_max']:.3f}, throughput {ratios[m]['throughput']:.3f}, "
               f"active fraction {ratios[m]['active_fraction']:.3f}")
     print("\nthroughput (samples/s) vs link:")
-    print("| method | " + " | ".join(LINKS.get(r, str(r)) + (f" ({r:g} Mbit/s)" if r else "") for r in rates) + " |")
+    print("| method | " + " | ".join(LINKS.get(r, str(r)) + (f" ({r:g} Mbit/s" if r else " (")
+                                     + (f", {delay_of[r]:g} ms)" if delay_of[r] else ")" if r else "no limit)") for r in rates) + " |")
     print("|---|" + "---|" * len(rates))
     sweep_tab = {}
     for m in sweep:
@@ -375,7 +389,7 @@ def main(argv=None) -> int:
            "settings": {"windows": a.windows, "window_size": a.window_size, "micro_batch": mb_size, "seq_len": seq,
                         "b_samples_per_step": a.window_size * mb_size, "m_micro_batches_per_step": a.window_size,
                         "inflight_depth": a.inflight_depth, "stages": len(chunks), "backend": a.backend,
-                        "torch_device": a.torch_device, "cores_per_stage": a.cores_per_stage, "links": links,
+                        "torch_device": a.torch_device, "cores_per_stage": a.cores_per_stage, "links": links, "delays_ms": delays,
                         "phones": f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}"},
            "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios, "throughput_vs_link": sweep_tab,
            "rates_mbit": rates, "plots": pics}

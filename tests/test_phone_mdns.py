@@ -186,6 +186,53 @@ def test_rate_mbit_option_gives_the_device_its_limiter(tmp_path, monkeypatch):
     assert seen["device"].limiter is None
 
 
+def test_link_delay_hands_frames_on_later_without_slowing_the_link():
+    """--link-delay-ms: each hidden state (and each BP gradient) reaches the stage that much after it
+    arrived, and frames in flight are delayed together, not one after another (latency, not rate)."""
+    from zl_mobile.links import DelayLine, InboundLink, InboundQueue, OutboundLink
+
+    token, q, grads = new_token(), InboundQueue(), []
+    inbound = InboundLink("in", token, q, inflight_depth=4, next_needed=lambda: 0, bind="127.0.0.1",
+                          delay=DelayLine(0.3))
+    out = OutboundLink("out", token, window_size=2, replay_horizon=8, delay=DelayLine(0.3),
+                       on_gradient=lambda msg: grads.append(time.monotonic()))
+    try:
+        out.set_address(f"127.0.0.1:{inbound.port}")
+        h = np.zeros((1024,), dtype=np.float32)
+        t0 = time.monotonic()
+        for mb in range(4):
+            out.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": 0}, {"h": h}))
+        seen = []
+        for mb in range(4):
+            assert q.take(mb, timeout=10) is not None
+            seen.append(time.monotonic() - t0)
+        assert seen[0] >= 0.3, seen          # nothing before the delay
+        assert seen[-1] < 0.3 + 0.25, seen   # one after another would take 4 x 0.3 s
+        t1 = time.monotonic()
+        inbound.send_gradient(0, h)
+        deadline = time.monotonic() + 10
+        while not grads and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert grads and grads[0] - t1 >= 0.3
+    finally:
+        out.close()
+        inbound.close()
+
+
+def test_link_delay_option_gives_the_device_its_delay_line(tmp_path, monkeypatch, capsys):
+    import zl_mobile.device as device_mod
+    from zl_mobile import phone
+
+    seen = {}
+    monkeypatch.setattr(device_mod, "serve", lambda device, port, bind, ready: seen.setdefault("device", device))
+    assert phone.main(["--name", "ld", "--workdir", str(tmp_path), "--token", new_token(), "--mdns", "none",
+                       "--link-delay-ms", "40"]) == 0
+    assert seen["device"].link_delay.delay_s == pytest.approx(0.04)
+    with pytest.raises(SystemExit):
+        phone.main(["--name", "ld", "--workdir", str(tmp_path), "--mdns", "none", "--link-delay-ms", "-5"])
+    assert "--link-delay-ms must be >= 0, got -5" in capsys.readouterr().err
+
+
 def test_rate_limited_hidden_state_link_is_shaped():
     """The limiter a phone gets from --rate-mbit shapes its outgoing hidden-state link."""
     from zl_mobile.links import InboundLink, InboundQueue, OutboundLink

@@ -33,7 +33,7 @@ class Device:
     """State that outlives host sessions: stored files and the running stage."""
 
     def __init__(self, name: str, workdir: Path, token: str, limiter=None, bind: str = "0.0.0.0",
-                 backend: Backend | None = None):
+                 backend: Backend | None = None, link_delay=None):
         self.name = name
         self.backend = backend or Backend()  # the runtime the chunk runs on (zl-phone --backend)
         self.bind = bind  # the stage's data port listens here too
@@ -41,7 +41,8 @@ class Device:
         self.files = self.workdir / "files"
         self.files.mkdir(parents=True, exist_ok=True)
         self.auth = DeviceAuth(token, name)
-        self.limiter = limiter
+        self.limiter = limiter        # shapes the stage's outgoing frames (--rate-mbit)
+        self.link_delay = link_delay  # delays its incoming ones (--link-delay-ms): links.DelayLine
         self.stage: Stage | None = None
         self.stage_meta: dict | None = None
         self._host: Connection | None = None
@@ -242,7 +243,7 @@ class Device:
                 self.stage = Stage(self.files, chunk, manifest["export"], cfg, self.workdir,
                                    to_host=self.send_to_host, limiter=self.limiter,
                                    data_port=meta.get("listen_port", 0), bind=self.bind,
-                                   load_program=self.backend.load)
+                                   load_program=self.backend.load, link_delay=self.link_delay)
             except ProgramError as e:
                 raise self._reject(msg, str(e)) from None
         self.stage_meta = dict(meta)

@@ -26,13 +26,50 @@ log = logging.getLogger("zl_mobile.links")
 NO_END = 2**53  # "to the end" in REPLAY_REQUEST
 
 
+class DelayLine:
+    """Hands each arriving frame on `delay_s` after it arrived, in arrival order, without holding
+    up the receiving thread: the one-way latency of an emulated phone's link (zl-phone
+    --link-delay-ms), where the kernel has no netem to add it in the network. Frames keep
+    arriving at the link's rate; each is only seen later, as over a long path."""
+
+    def __init__(self, delay_s: float):
+        if delay_s < 0:
+            raise ValueError(f"link delay must be >= 0 s, got {delay_s}")
+        self.delay_s = delay_s
+        self._items: collections.deque = collections.deque()
+        self._cond = threading.Condition()
+        threading.Thread(target=self._run, name="link-delay", daemon=True).start()
+
+    def __call__(self, deliver, msg) -> None:
+        with self._cond:
+            self._items.append((time.monotonic() + self.delay_s, deliver, msg))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items:
+                    self._cond.wait()
+                due, deliver, msg = self._items.popleft()
+            time.sleep(max(0.0, due - time.monotonic()))
+            try:
+                deliver(msg)
+            except Exception:  # a consumer's failure must not stop later deliveries
+                log.exception("link delay: delivering a frame failed")
+
+
+def _now(deliver, msg) -> None:
+    deliver(msg)
+
+
 class ReplayHorizonPassed(Exception):
     """A replay needs hidden states that were already pruned."""
 
 
 class OutboundLink:
     def __init__(self, name: str, token: str, *, window_size: int, replay_horizon: int,
-                 limiter=None, on_error=None, on_committed=None, on_gradient=None, prune_on_commit=True):
+                 limiter=None, on_error=None, on_committed=None, on_gradient=None, prune_on_commit=True,
+                 delay: DelayLine | None = None):
         self.name = name
         self.token = token
         self.window_size = window_size
@@ -41,6 +78,7 @@ class OutboundLink:
         self.on_error = on_error or (lambda msg: log.error(msg))
         self.on_committed = on_committed or (lambda meta: None)
         self.on_gradient = on_gradient or (lambda msg: None)  # BP baselines: dL/dh_k from downstream
+        self._deliver = delay or _now  # gradients arrive after the link's latency, if one is emulated
         self.prune_on_commit = prune_on_commit  # the host's feed keeps its inputs (global rollback replays them)
         self._address: str | None = None
         self._buffer: collections.OrderedDict[int, Message] = collections.OrderedDict()
@@ -191,7 +229,7 @@ class OutboundLink:
                             self._pruned_below = max(self._pruned_below, (w + 1) * self.window_size)
                         self.on_committed(msg.meta)
                     elif msg.type == MsgType.GRADIENT:
-                        self.on_gradient(msg)
+                        self._deliver(self.on_gradient, msg)
                     elif msg.type == MsgType.ERROR:
                         log.error("%s: downstream error %s: %s", self.name, msg["code"], msg["message"])
                     self._cond.notify_all()
@@ -254,8 +292,9 @@ class InboundLink:
     """Listens for the upstream stage (or the host, for stage 0) on a data port."""
 
     def __init__(self, name: str, token: str, queue: InboundQueue, *, inflight_depth: int,
-                 next_needed, port: int = 0, bind: str = "0.0.0.0"):
+                 next_needed, port: int = 0, bind: str = "0.0.0.0", delay: DelayLine | None = None):
         self.name = name
+        self._deliver = delay or _now  # hidden states arrive after the link's latency, if one is emulated
         self.queue = queue
         self.inflight_depth = inflight_depth
         self.next_needed = next_needed  # callable: the micro-batch this stage needs next
@@ -301,7 +340,7 @@ class InboundLink:
                     raise ProtocolError("UNEXPECTED", f"{msg.type.name} on a hidden-state link; only HIDDEN_STATE is sent downstream")
                 self.bytes_received += sum(getattr(t, "nbytes", 0) for t in msg.tensors.values())
                 self.received_at[msg["micro_batch"]] = time.time()
-                self.queue.put(msg)
+                self._deliver(self.queue.put, msg)
         except ProtocolError as e:
             log.warning("%s: upstream link error: %s", self.name, e)
             conn.try_send(e.to_message())

@@ -47,6 +47,8 @@ def build_parser():
     p.add_argument("--threads", type=int, default=None, help="cap compute threads")
     p.add_argument("--cpus", default=None, help="pin to these CPU cores, e.g. 0 or 0,1")
     p.add_argument("--rate-mbit", type=float, default=None, help="shape outgoing links to this many Mbit/s")
+    p.add_argument("--link-delay-ms", type=float, default=0.0,
+                   help="hand each incoming hidden state / gradient to the stage this much later (one-way link latency)")
     p.add_argument("--mdns", default="loopback", help="advertise on: loopback (default), all, none, or an IPv4 address")
     p.add_argument("--bind", default="127.0.0.1", help="address to listen on (0.0.0.0 for a LAN)")
     p.add_argument("--backend", choices=["executorch", "eager"], default="executorch",
@@ -59,7 +61,10 @@ def build_parser():
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.link_delay_ms < 0:
+        parser.error(f"--link-delay-ms must be >= 0, got {a.link_delay_ms:g}")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
     if a.cpus:
@@ -95,12 +100,14 @@ def main(argv=None) -> int:
         backend.set_threads(threads)
 
     from .device import Device, serve
+    from .links import DelayLine
     from .mdns import Advertisement, txt_record
     from .protocol import RateLimiter
     from .telemetry import total_memory_bytes
 
     limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
-    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend)
+    delay = DelayLine(a.link_delay_ms / 1000) if a.link_delay_ms > 0 else None
+    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay)
     adverts = []
 
     def ready(port: int) -> None:

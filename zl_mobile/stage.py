@@ -72,7 +72,8 @@ class StageConfig:
 
 class Stage:
     def __init__(self, export_dir: Path, chunk: dict, export: dict, cfg: StageConfig, workdir: Path,
-                 to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0", load_program=ChunkProgram):
+                 to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0", load_program=ChunkProgram,
+                 link_delay=None):
         self.cfg = cfg
         self.alpha = torch.tensor([cfg.alpha if cfg.alpha is not None else export["alpha"]], dtype=torch.float32)
         readout_rows = export["readout_rows"]
@@ -120,12 +121,13 @@ class Stage:
         self.inbound = InboundLink(f"stage{self.k}-in", cfg.upstream_token, self.queue,
                                    inflight_depth=cfg.inflight_depth,
                                    next_needed=lambda: self.queue.next_after(self.next_mb), port=data_port,
-                                   bind=bind)
+                                   bind=bind, delay=link_delay)
         self.outbound = None
         if cfg.downstream_token:
             self.outbound = OutboundLink(f"stage{self.k}-out", cfg.downstream_token, window_size=W,
                                          replay_horizon=cfg.replay_horizon, limiter=limiter,
-                                         on_error=self._report_error, on_gradient=self.grads_in.put)
+                                         on_error=self._report_error, on_gradient=self.grads_in.put,
+                                         delay=link_delay)
             self.outbound.set_address(cfg.downstream)
         self._window_mark = self._counters()
         self._stop = threading.Event()
