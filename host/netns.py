@@ -75,27 +75,27 @@ class ShapedNetwork:
     rate_mbit: float | None = None
     phones: list[PhoneNet] = field(default_factory=list)
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:5])
-    subnet: int = 0
 
     def __post_init__(self):
         if self.n > 250:
             raise NetnsError(f"{self.n} phones do not fit one /24 network")
-        # a /24 in 10.200-239.x.x, picked from the tag so concurrent networks rarely collide
-        self.subnet = self.subnet or 200 + int(self.tag, 16) % 40
 
     @property
     def bridge(self) -> str:
         return f"zlbr{self.tag}"
 
     @property
+    def _net(self) -> str:
+        """A /24 in 10.200-239.x, picked from the tag so concurrent networks rarely collide."""
+        return f"10.{200 + int(self.tag, 16) % 40}.{int(self.tag[:2], 16)}"
+
+    @property
     def host_address(self) -> str:
-        return f"10.{self.subnet}.{int(self.tag[:2], 16)}.1"
+        return f"{self._net}.1"
 
     def open(self) -> "ShapedNetwork":
-        why = unavailable()
-        if why:
-            raise NetnsError(f"cannot give emulated phones their own network: {why}")
-        net = self.host_address.rsplit(".", 1)[0]
+        """Callers check unavailable() first (once) to choose between this and the rate limiter."""
+        net = self._net
         try:
             _ip("ip", "link", "add", self.bridge, "type", "bridge")
             _ip("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)

@@ -6,7 +6,7 @@ import pytest
 
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
-from zl_mobile.schedules import SCHEDULES, schedule
+from zl_mobile.schedules import SCHEDULES, forwards_held, schedule
 
 
 def _take(name, k, n=3, size=4, windows=3):
@@ -30,24 +30,15 @@ def test_every_micro_batch_forward_then_backward_once(name, k):
         assert pos[(second, mb)] < pos[("STEP", mb // 4)]  # each window's grads are in before its step
 
 
-def _max_in_flight(acts, second):
-    live, peak = set(), 0
-    for a in acts:
-        if a.op == "F":
-            live.add(a.mb)
-        elif a.op == second:
-            live.discard(a.mb)
-        peak = max(peak, len(live))
-    return peak
-
-
 @pytest.mark.parametrize("k,expected", [(0, 3), (1, 2), (2, 1)])
 def test_activations_held_per_schedule(k, expected):
-    """The memory story in one number: forwards whose activations are still held."""
-    assert _max_in_flight(_take("zerolock", k), "L") == 1
-    assert _max_in_flight(_take("gpipe", k), "B") == 4
-    assert _max_in_flight(_take("1f1b", k), "B") == expected
-    assert _max_in_flight(_take("pipedream", k), "B") == expected
+    """The memory story in one number: forwards whose activations are still held. 1 is also what
+    lets a stage keep phase 1's outputs in place (ZeroLock everywhere, the BP pipelines' last stage)."""
+    assert forwards_held("zerolock", k, 3, 4, windows=3) == 1
+    assert forwards_held("gpipe", k, 3, 4, windows=3) == 4
+    assert forwards_held("1f1b", k, 3, 4, windows=3) == expected
+    assert forwards_held("pipedream", k, 3, 4, windows=3) == expected
+    assert forwards_held("1f1b", 0, 8, 2) == 2  # the warm-up is capped by the window
 
 
 def test_pipedream_drains_at_the_end_of_the_run():
@@ -96,3 +87,4 @@ def test_bp_in_flight_activations_follow_the_schedule(bp_runs):
         recs = [r for r in bp_runs[name][1] if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["stage"] == 0]
         # in_flight counts forwards still held after this backward: peak is one less than held before it
         assert max(r["in_flight"] for r in recs) == expect - 1, name
+

@@ -74,7 +74,8 @@ class ChunkProgram(NamedMethods):
     not planned (exporter/lower.py: memory_plans), then reads them there, so a micro-batch's
     saved activations exist once. They are valid until the next phase 1 call: for a schedule
     that runs each phase 2 before the next phase 1 (ZeroLock), not for BP schedules that hold
-    several forwards. A phase 2 on overwritten activations is refused, never run."""
+    several forwards. A phase 2 on overwritten activations is refused, never run
+    (zl_mobile.schedules.forwards_held says which stages may use it)."""
 
     def __init__(self, export_dir: Path, chunk: dict, in_place: bool = False, etdump: bool = False):
         from .et_runtime import runtime
@@ -91,6 +92,10 @@ class ChunkProgram(NamedMethods):
                                "re-push the program and weights (their sha256 must match the manifest)") from None
 
     def run(self, method: str, values: dict) -> dict:
+        if method == "phase2" and values.get(_CALL, self._phase1_calls) != self._phase1_calls:
+            raise ProgramError(f"phase 2 of chunk {self.index} was given the saved activations of phase 1 call "
+                               f"{values[_CALL]}, which call {self._phase1_calls} has overwritten in place: run each "
+                               "phase 2 before the next phase 1, or load the program with in_place=False")
         in_arena = self.in_place and method == "phase1"
         if in_arena:
             self._phase1_calls += 1
@@ -101,13 +106,6 @@ class ChunkProgram(NamedMethods):
     def write_etdump(self, path: Path) -> None:
         """The operator profile of the calls so far (load with etdump=True)."""
         self._module.write_etdump_result_to_file(str(path))
-
-    def phase2(self, lora: dict, saved: dict, batch: dict) -> StepResult:
-        if saved.get(_CALL, self._phase1_calls) != self._phase1_calls:
-            raise ProgramError(f"phase 2 of chunk {self.index} was given the saved activations of phase 1 call "
-                               f"{saved[_CALL]}, which call {self._phase1_calls} has overwritten in place: run each "
-                               "phase 2 before the next phase 1, or load the program with in_place=False")
-        return super().phase2(lora, saved, batch)
 
 
 _CALL = "_phase1_call"  # which phase 1 call wrote a set of in-place outputs

@@ -90,6 +90,23 @@ def pipedream(stage: int, num_stages: int, size: int, first_window: int = 0, tot
 SCHEDULES = {"zerolock": zerolock, "gpipe": gpipe, "1f1b": one_f_one_b, "pipedream": pipedream}
 
 
+def forwards_held(name: str, stage: int, num_stages: int, size: int, windows: int = 2) -> int:
+    """The most forwards a stage holds at once (run, their L/B not yet) over the first `windows`.
+    1 means every phase 2 runs before the next phase 1, so phase 1's outputs may stay in its
+    arena until then (zl_mobile.program.ChunkProgram(in_place=True)): ZeroLock everywhere, and
+    the last stage of 1F1B and PipeDream; GPipe holds the whole window."""
+    held = peak = 0
+    for a in schedule(name, stage, num_stages, size, total=windows * size):
+        if a.op == "F":
+            held += 1
+            peak = max(peak, held)
+        elif a.op in ("L", "B"):
+            held -= 1
+        elif a.mb == windows - 1:  # STEP of the last window looked at
+            break
+    return peak
+
+
 def schedule(name: str, stage: int, num_stages: int, size: int, first_window: int = 0,
              total: int | None = None) -> Iterator[Action]:
     """The stage's actions from `first_window` on; `total` micro-batches end the run (a schedule

@@ -26,6 +26,7 @@ from .links import InboundLink, InboundQueue, OutboundLink
 from .program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
+from .schedules import forwards_held, schedule
 from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
 log = logging.getLogger("zl_mobile.stage")
@@ -80,9 +81,10 @@ class Stage:
         self.k = cfg.stage
         self.bp = cfg.schedule != "zerolock"  # BP baselines run the chunk's BP program
         entry = {**chunk, **chunk["bp"]} if self.bp else chunk
-        # zl_mobile.backends.Backend.load picks the runtime; ZeroLock runs each phase 2 right after
-        # its phase 1, so phase 1's saved activations can stay in its arena (ChunkProgram)
-        self.program = load_program(export_dir, entry, in_place=not self.bp)
+        # zl_mobile.backends.Backend.load picks the runtime; a schedule that runs each phase 2
+        # before the next phase 1 lets phase 1's saved activations stay in its arena (ChunkProgram)
+        in_place = forwards_held(cfg.schedule, cfg.stage, cfg.num_stages, cfg.window_size) == 1
+        self.program = load_program(export_dir, entry, in_place=in_place)
         self.first_input = chunk["first_input"]
         self.is_last = cfg.stage == cfg.num_stages - 1
         probe = next((t for t in self.program.input_spec("phase1") if t["name"] == "grad_probe"), None)
@@ -154,8 +156,6 @@ class Stage:
 
     # ---- the loop: run the schedule's actions in order
     def _run(self) -> None:
-        from .schedules import schedule
-
         actions = schedule(self.cfg.schedule, self.k, self.cfg.num_stages, self.cfg.window_size,
                            first_window=self.committed + 1, total=self.cfg.total_micro_batches)
         for action in actions:
