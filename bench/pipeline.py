@@ -13,7 +13,7 @@ so b=8, m=4 is micro_batch 2 x window_size 4.
 Default: two stages (a 2-chunk export with BP programs: zl-export --mode both), one emulated phone
 per core (--cpus i --threads 1), then a link sweep (Local = no limit, Wi-Fi 300, Mobile 100,
 Constrained 50 Mbit/s per phone and direction, with 0 / 2 / 20 / 50 ms of one-way latency: each
-phone hands an incoming hidden state or gradient to its stage that much later, zl-phone
+phone sees every frame arriving on its stage links (hidden states, gradients, credits) that much later, zl-phone
 --link-delay-ms, since not every kernel has netem to add it in the network). `--links netns` (the default where the machine
 allows it: root, iproute2, tbf) runs every phone in its own network namespace behind a veth pair on
 a bridge, both directions shaped by the kernel (host/netns.py); `--links limiter` shapes each

@@ -187,33 +187,36 @@ def test_rate_mbit_option_gives_the_device_its_limiter(tmp_path, monkeypatch):
 
 
 def test_link_delay_hands_frames_on_later_without_slowing_the_link():
-    """--link-delay-ms: each hidden state (and each BP gradient) reaches the stage that much after it
-    arrived, and frames in flight are delayed together, not one after another (latency, not rate)."""
+    """--link-delay-ms: every frame a phone's links receive reaches it that much after it arrived:
+    hidden states downstream; credits, replay requests and BP gradients upstream. Frames in flight
+    are delayed together, not one after another (latency, not rate)."""
     from zl_mobile.links import DelayLine, InboundLink, InboundQueue, OutboundLink
 
     token, q, grads = new_token(), InboundQueue(), []
     inbound = InboundLink("in", token, q, inflight_depth=4, next_needed=lambda: 0, bind="127.0.0.1",
                           delay=DelayLine(0.3))
-    out = OutboundLink("out", token, window_size=2, replay_horizon=8, delay=DelayLine(0.3),
+    out = OutboundLink("out", token, window_size=2, replay_horizon=8, delay=DelayLine(0.2),
                        on_gradient=lambda msg: grads.append(time.monotonic()))
     try:
-        out.set_address(f"127.0.0.1:{inbound.port}")
         h = np.zeros((1024,), dtype=np.float32)
-        t0 = time.monotonic()
         for mb in range(4):
             out.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": 0}, {"h": h}))
+        t0, t0_wall = time.monotonic(), time.time()
+        out.set_address(f"127.0.0.1:{inbound.port}")
         seen = []
         for mb in range(4):
             assert q.take(mb, timeout=10) is not None
             seen.append(time.monotonic() - t0)
-        assert seen[0] >= 0.3, seen          # nothing before the delay
-        assert seen[-1] < 0.3 + 0.25, seen   # one after another would take 4 x 0.3 s
+        # the upstream sees the replay request and credits 0.2 s late, the downstream the hidden states 0.3 s late
+        assert out.sent_at[0] - t0_wall >= 0.2, out.sent_at
+        assert seen[0] >= 0.5, seen
+        assert seen[-1] < 0.5 + 0.25, seen   # one after another would take 4 x 0.3 s
         t1 = time.monotonic()
         inbound.send_gradient(0, h)
         deadline = time.monotonic() + 10
         while not grads and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert grads and grads[0] - t1 >= 0.3
+        assert grads and grads[0] - t1 >= 0.2
     finally:
         out.close()
         inbound.close()

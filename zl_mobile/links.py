@@ -78,7 +78,7 @@ class OutboundLink:
         self.on_error = on_error or (lambda msg: log.error(msg))
         self.on_committed = on_committed or (lambda meta: None)
         self.on_gradient = on_gradient or (lambda msg: None)  # BP baselines: dL/dh_k from downstream
-        self._deliver = delay or _now  # gradients arrive after the link's latency, if one is emulated
+        self._deliver = delay or _now  # what downstream sends arrives after the link's latency, if emulated
         self.prune_on_commit = prune_on_commit  # the host's feed keeps its inputs (global rollback replays them)
         self._address: str | None = None
         self._buffer: collections.OrderedDict[int, Message] = collections.OrderedDict()
@@ -207,36 +207,43 @@ class OutboundLink:
         try:
             while True:
                 msg = conn.recv()
-                with self._cond:
-                    if msg.type == MsgType.CREDIT:
-                        self._credits += msg["credits"]
-                    elif msg.type == MsgType.REPLAY_REQUEST:
-                        start = msg["from_micro_batch"]
-                        if start < self._pruned_below:  # never silently skipped
-                            self.on_error(f"replay horizon passed: micro-batches {start}-{self._pruned_below - 1} "
-                                          f"needed downstream of {self.name} were pruned and are lost; "
-                                          "raise the replay horizon (buffer) to cover a failure")
-                            start = self._pruned_below
-                        self._next = start
-                    elif msg.type == MsgType.CHECKPOINT_COMMITTED:
-                        # the downstream durably used everything up to this window: prune it
-                        w = msg["window"]
-                        self.downstream_committed = max(self.downstream_committed, w)
-                        if self.prune_on_commit:
-                            for mb in [k for k in self._buffer if k // self.window_size <= w]:
-                                del self._buffer[mb]
-                            # a later request below this is an error, never a silent wait
-                            self._pruned_below = max(self._pruned_below, (w + 1) * self.window_size)
-                        self.on_committed(msg.meta)
-                    elif msg.type == MsgType.GRADIENT:
-                        self._deliver(self.on_gradient, msg)
-                    elif msg.type == MsgType.ERROR:
-                        log.error("%s: downstream error %s: %s", self.name, msg["code"], msg["message"])
-                    self._cond.notify_all()
+                # everything from downstream (credits, replay requests, commits, gradients) is seen
+                # after the link's latency, if one is emulated, so the credit loop pays it too
+                self._deliver(lambda m, c=conn: self._handle(c, m), msg)
         except (OSError, ProtocolError, ConnectionClosed):
             conn.close()
             with self._cond:
                 self._cond.notify_all()
+
+    def _handle(self, conn: Connection, msg: Message) -> None:
+        if msg.type == MsgType.GRADIENT:
+            self.on_gradient(msg)
+            return
+        with self._cond:
+            current = self._conn is conn  # a delayed credit or request of a dropped connection is void
+            if msg.type == MsgType.CREDIT and current:
+                self._credits += msg["credits"]
+            elif msg.type == MsgType.REPLAY_REQUEST and current:
+                start = msg["from_micro_batch"]
+                if start < self._pruned_below:  # never silently skipped
+                    self.on_error(f"replay horizon passed: micro-batches {start}-{self._pruned_below - 1} "
+                                  f"needed downstream of {self.name} were pruned and are lost; "
+                                  "raise the replay horizon (buffer) to cover a failure")
+                    start = self._pruned_below
+                self._next = start
+            elif msg.type == MsgType.CHECKPOINT_COMMITTED:
+                # the downstream durably used everything up to this window: prune it
+                w = msg["window"]
+                self.downstream_committed = max(self.downstream_committed, w)
+                if self.prune_on_commit:
+                    for mb in [k for k in self._buffer if k // self.window_size <= w]:
+                        del self._buffer[mb]
+                    # a later request below this is an error, never a silent wait
+                    self._pruned_below = max(self._pruned_below, (w + 1) * self.window_size)
+                self.on_committed(msg.meta)
+            elif msg.type == MsgType.ERROR:
+                log.error("%s: downstream error %s: %s", self.name, msg["code"], msg["message"])
+            self._cond.notify_all()
 
 
 class InboundQueue:

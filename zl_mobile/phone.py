@@ -48,7 +48,8 @@ def build_parser():
     p.add_argument("--cpus", default=None, help="pin to these CPU cores, e.g. 0 or 0,1")
     p.add_argument("--rate-mbit", type=float, default=None, help="shape outgoing links to this many Mbit/s")
     p.add_argument("--link-delay-ms", type=float, default=0.0,
-                   help="hand each incoming hidden state / gradient to the stage this much later (one-way link latency)")
+                   help="see each frame arriving on a stage link (hidden state, gradient, credit) this much later "
+                        "(one-way link latency)")
     p.add_argument("--mdns", default="loopback", help="advertise on: loopback (default), all, none, or an IPv4 address")
     p.add_argument("--bind", default="127.0.0.1", help="address to listen on (0.0.0.0 for a LAN)")
     p.add_argument("--backend", choices=["executorch", "eager"], default="executorch",
