@@ -4,7 +4,7 @@ Autograd through log_softmax over the vocabulary keeps several [N, vocab] tensor
 loss to the backward (logits, log-probabilities, probabilities, the KL terms and their
 gradients): 16 MiB each for TinyLlama at N=128, most of phase 2's memory. The gradient of the
 loss with respect to the logits has a closed form, so it is computed right after the logits,
-`POSITION_BLOCK` positions at a time, and only its image in hidden space (dL/du, [N, hidden])
+a block of positions at a time (`position_block`), and only its image in hidden space (dL/du, [N, hidden])
 is kept; autograd takes over from there (the final norm and the chunk's layers) through a
 surrogate <u, dL/du>. Same values and gradients as autograd (tests/test_readout_loss.py).
 
@@ -17,9 +17,15 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Positions per block: [32, 32000] f32 is 4 MiB, so a block's working set stays small while
-# the GEMMs keep enough rows to run at full rate.
-POSITION_BLOCK = 32
+# A block's [rows, vocab] f32 logits: 4 MiB, 32 positions at TinyLlama's 32000. That keeps a
+# block's working set small while its GEMMs keep enough rows to run at full rate; a small
+# vocabulary gets more positions per block, not more blocks (each block is ~20 kernel calls).
+BLOCK_ELEMENTS = 32 * 32000
+
+
+def position_block(vocab: int) -> int:
+    """Positions per block for this vocabulary size."""
+    return max(1, BLOCK_ELEMENTS // vocab)
 
 
 def _logits(u, lm_head_blocks):
@@ -37,13 +43,15 @@ def _to_hidden(g, lm_head_blocks):
 
 
 @torch.no_grad()
-def loss_and_grad(u, u_prev, target, weight, alpha, lm_head_blocks, block: int = POSITION_BLOCK):
+def loss_and_grad(u, u_prev, target, weight, alpha, lm_head_blocks, block: int | None = None):
     """Task (CE) and consistency (KL(p || stopgrad q)) means over weighted positions and
     dL/du for L = alpha * task + (1 - alpha) * consis.
 
     u, u_prev: [N, hidden] normed hidden states of this chunk and the previous one (u_prev None:
     no consistency term, L = task); target [N] int64; weight [N] (1 valid, 0 padding);
-    alpha: 0-d tensor. Returns (task, consis or None, grad_u [N, hidden])."""
+    alpha: 0-d tensor; block: positions per block (default: position_block of the vocabulary).
+    Returns (task, consis or None, grad_u [N, hidden])."""
+    block = block or position_block(sum(w.shape[0] for w in lm_head_blocks))
     denom = weight.sum().clamp(min=1.0)
     coef = weight / denom
     d = u.shape[1]

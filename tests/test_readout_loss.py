@@ -26,7 +26,8 @@ def plain_terms(u, u_prev, target, weight, w):
 
 
 @pytest.mark.parametrize("n,block,split,alpha", [(70, 32, (40, 60, 28), 0.5), (16, 64, (128,), 0.0),
-                                                  (33, 8, (100, 28), 1.0), (5, 2, (64, 64), 0.3)])
+                                                  (33, 8, (100, 28), 1.0), (5, 2, (64, 64), 0.3),
+                                                  (70, None, (20000, 12000), 0.5)])  # default: 32 per block
 @pytest.mark.parametrize("consistency", [True, False])
 def test_loss_and_gradient_equal_autograd(n, block, split, alpha, consistency):
     g = torch.Generator().manual_seed(n)
@@ -51,6 +52,12 @@ def test_loss_and_gradient_equal_autograd(n, block, split, alpha, consistency):
         assert got_consis is None
     torch.testing.assert_close(grad_u, want_grad, rtol=1e-4, atol=1e-7)
     assert grad_u[weight == 0].abs().max() == 0  # padding rows get no gradient
+
+
+def test_blocks_hold_the_same_logits_size_whatever_the_vocabulary():
+    assert readout_loss.position_block(32000) == 32       # TinyLlama: [32, 32000] f32 = 4 MiB
+    assert readout_loss.position_block(512) == 2000       # a tiny vocabulary: one block for N <= 2000
+    assert readout_loss.position_block(10**7) == 1
 
 
 def test_with_gradient_keeps_the_value_and_routes_the_gradient():
