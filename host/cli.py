@@ -6,6 +6,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
@@ -153,19 +154,37 @@ def cmd_run(a) -> int:
 
     phones = []
     links = None
+    network = None
+    from .emulate import EmulatedLinks
+
+    # a resumed run keeps its links (and takes over the namespaces its phones are in)
+    emulated_links = EmulatedLinks(**saved.get("link") or {}) if a.resume else EmulatedLinks(a.link_mbit, a.link_delay_ms)
     if devices_spec.startswith("emulated:"):
         from .emulate import EmulatedPhone, start_phones
+        from .netns import NetnsError
 
         n = int(devices_spec.split(":", 1)[1])
         if n < k:
             raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
-        if a.resume and saved.get("phones"):
-            phones = [EmulatedPhone(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"]).adopt_or_start(p.get("pid"))
-                      for p in saved["phones"]]
-        else:
-            console.print(f"starting {n} emulated phones")
-            phones = start_phones(n, run_dir / "phones")
+        try:
+            network, phone_args, how = emulated_links.open(n)
+        except NetnsError as e:
+            raise CliError(f"cannot make the phones' network: {e}; run without --link-mbit") from None
+        try:
+            if a.resume and saved.get("phones"):
+                phones = [EmulatedPhone(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"],
+                                        net=network.phones[i] if network else None).adopt_or_start(p.get("pid"))
+                          for i, p in enumerate(saved["phones"])]
+            else:
+                console.print(f"starting {n} emulated phones ({how})", markup=False)
+                phones = start_phones(n, run_dir / "phones", extra_args=phone_args, network=network)
+        except BaseException:
+            if network is not None:
+                network.close()
+            raise
         handles = [p.handle() for p in phones]
+    elif emulated_links.mbit or emulated_links.delay_ms:
+        raise CliError("--link-mbit / --link-delay-ms shape emulated phones' links only: use --devices emulated:N")
     else:
         from .adb_wiring import AdbLinks
         from .devices import DeviceLookupError, load_tokens, resolve
@@ -190,7 +209,7 @@ def cmd_run(a) -> int:
         co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=view.on_event,
                          link_tokens=saved.get("link_tokens") if a.resume else None, links=links)
         record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
-                  "settings": settings.to_json(), "link_tokens": co.link_tokens,
+                  "settings": settings.to_json(), "link_tokens": co.link_tokens, "link": asdict(emulated_links),
                   "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
                               "port": p.port, "pid": p.pid} for p in phones]}
         tmp = run_dir / "run.json.tmp"
@@ -208,6 +227,8 @@ def cmd_run(a) -> int:
     finally:
         for p in phones:
             p.stop()
+        if network is not None:
+            network.close()
         if links is not None:  # remove the adb forwards and reverses this run made
             if co is not None:
                 co.stop_sampling()
@@ -254,6 +275,20 @@ def cmd_eval(a) -> int:
 
 
 # ---------------------------------------------------------------- main
+def _positive(text: str) -> float:
+    v = float(text)
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return v
+
+
+def _non_negative(text: str) -> float:
+    v = float(text)
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return v
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="zl-host", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -287,6 +322,11 @@ def build_parser():
                         "0: the phone picks one and reports it)")
     r.add_argument("--adb-staging", default="/data/local/tmp/zerolock",
                    help="phone dir adb pushes into before run-as copies into the app's files")
+    r.add_argument("--link-mbit", type=_positive, default=None,
+                   help="with --devices emulated:N: each phone's link rate per direction (its own network "
+                        "namespace where the machine allows it, else the transport's rate limiter)")
+    r.add_argument("--link-delay-ms", type=_non_negative, default=0.0,
+                   help="with --devices emulated:N: one-way latency of each phone's link")
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
     r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")

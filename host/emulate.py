@@ -141,6 +141,36 @@ def _memory_bytes() -> int:
     return total_memory_bytes()
 
 
+@dataclass
+class EmulatedLinks:
+    """How zl-host's emulated phones are linked (zl-host run --link-mbit / --link-delay-ms): rate per
+    phone and direction (None: unshaped) and one-way latency. Kept in run.json for --resume."""
+    mbit: float | None = None
+    delay_ms: float = 0.0
+    netns_tag: str | None = None  # the phones' namespaces, once made
+
+    def open(self, n: int) -> tuple["ShapedNetwork | None", list[str], str]:
+        """(the phones' network or None, zl-phone arguments, how the links are shaped, in words).
+        A rate puts every phone in its own shaped namespace where the machine allows it, else on
+        loopback behind the transport's rate limiter; on resume the same namespaces are taken over."""
+        from . import netns
+
+        args = ["--link-delay-ms", f"{self.delay_ms:g}"] if self.delay_ms else []
+        latency = f", {self.delay_ms:g} ms one-way latency" if self.delay_ms else ""
+        if not self.mbit:
+            return None, args, "loopback, unshaped" + latency
+        why = netns.unavailable()
+        if why is not None:
+            return None, args + ["--rate-mbit", f"{self.mbit:g}"], \
+                f"loopback, the transport's rate limiter at {self.mbit:g} Mbit/s ({why})" + latency
+        if self.netns_tag:
+            network = netns.ShapedNetwork(n, self.mbit, tag=self.netns_tag).reopen()
+        else:
+            network = netns.ShapedNetwork(n, self.mbit).open()
+        self.netns_tag = network.tag
+        return network, args, f"own network namespaces, {self.mbit:g} Mbit/s per phone and direction" + latency
+
+
 def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_phone_args=None,
                  network: "ShapedNetwork | None" = None) -> list[EmulatedPhone]:
     """Start n phones; with 2+ cores each phone is pinned to its own core (round robin).

@@ -163,7 +163,7 @@ class ShapedNetwork:
             _ip("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
             _ip("ip", "link", "set", self.bridge, "up")
             for i in range(self.n):
-                ns, h, p = f"{_ns_prefix(self.tag)}{i}", f"zl{self.tag}h{i}", f"zl{self.tag}v{i}"
+                ns, h, p = f"{_ns_prefix(self.tag)}{i}", f"zl{self.tag}h{i}", f"zl{self.tag}v{i}"  # reopen() too
                 addr = f"{net}.{i + 2}"
                 _ip("ip", "netns", "add", ns)
                 self.phones.append(PhoneNet(ns, addr, h))
@@ -185,6 +185,19 @@ class ShapedNetwork:
     def close(self) -> None:
         _remove(self.tag, [ph.ns for ph in self.phones])
         self.phones = []
+
+    def reopen(self) -> "ShapedNetwork":
+        """Take over this tag's network if a previous owner (a killed zl-host) left it whole, so
+        its phones stay reachable at the same addresses; else make it anew."""
+        existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        names = [f"{_ns_prefix(self.tag)}{i}" for i in range(self.n)]
+        rec = OWNERS / self.tag
+        if rec.exists() and all(n in existing.split() for n in names):
+            rec.write_text(str(os.getpid()))
+            self.phones = [PhoneNet(n, f"{self._net}.{i + 2}", f"zl{self.tag}h{i}") for i, n in enumerate(names)]
+            return self
+        _remove(self.tag, [n for n in names if n in existing.split()])
+        return self.open()
 
     def __enter__(self) -> "ShapedNetwork":
         return self.open()

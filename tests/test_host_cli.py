@@ -149,9 +149,14 @@ def test_unreadable_resume_dir(tmp_path, capsys):
     assert "unreadable" in _error_line(capsys)
 
 
-def test_host_killed_and_resumed_ends_with_the_uninterrupted_lora(small_export, data_file, tmp_path):
+SHAPED = ["--link-mbit", "200", "--link-delay-ms", "2"]
+
+
+@pytest.mark.parametrize("link", [[], SHAPED], ids=["loopback", "shaped"])
+def test_host_killed_and_resumed_ends_with_the_uninterrupted_lora(small_export, data_file, tmp_path, link):
     """The host process dies mid-run (SIGKILL); `zl-host run --resume` reattaches to the running
-    phones, which kept their state, and the adapter equals an uninterrupted run's."""
+    phones, which kept their state (shaped: in the namespaces the dead host left, taken over), and
+    the adapter equals an uninterrupted run's."""
     import subprocess
     import sys
     import time
@@ -159,7 +164,7 @@ def test_host_killed_and_resumed_ends_with_the_uninterrupted_lora(small_export, 
     from safetensors.numpy import load_file
 
     args = ["--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
-            "--steps", "30", "--window", "2", "--lr", "2e-2"]
+            "--steps", "30", "--window", "2", "--lr", "2e-2", *link]
     assert main(["run", *args, "--out", str(tmp_path / "a")]) == 0
 
     run = tmp_path / "b"
@@ -177,13 +182,50 @@ def test_host_killed_and_resumed_ends_with_the_uninterrupted_lora(small_export, 
             break
         time.sleep(0.05)
     assert killed_at is not None, "the host finished before it could be killed"
+    before = json.loads((run / "run.json").read_text())
     assert main(["run", "--resume", str(run)]) == 0
+    after = json.loads((run / "run.json").read_text())
+    assert [p["pid"] for p in after["phones"]] == [p["pid"] for p in before["phones"]]  # reattached
+    tag = after["link"]["netns_tag"]
+    if link and tag:
+        assert tag == before["link"]["netns_tag"]
+        assert f"zl{tag}p" not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
     b = load_file(str(run / "adapter" / "adapter_model.safetensors"))
     assert set(a) == set(b)
     diff = max(float(np.abs(a[k] - b[k]).max()) for k in a)
     print(f"largest LoRA difference after host kill + resume: {diff:.3g}")
     assert diff <= 1e-6
+
+
+def test_emulated_phones_on_shaped_links(small_export, data_file, tmp_path, capsys):
+    from host import netns
+
+    run = tmp_path / "run"
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
+                 "--steps", "2", "--window", "2", "--link-mbit", "80", "--link-delay-ms", "5", "--out", str(run)]) == 0
+    err = capsys.readouterr().err
+    saved = json.loads((run / "run.json").read_text())
+    assert saved["link"]["mbit"] == 80 and saved["link"]["delay_ms"] == 5
+    assert all("--link-delay-ms" in p["args"] for p in saved["phones"])
+    if netns.unavailable() is None:  # each phone in its own namespace, shaped by the kernel; gone afterwards
+        assert "own network namespaces, 80 Mbit/s per phone and direction, 5 ms one-way latency" in err
+        tag = saved["link"]["netns_tag"]
+        assert tag and f"zl{tag}p" not in netns.subprocess.run(["ip", "netns", "list"], capture_output=True,
+                                                                text=True).stdout
+    else:
+        assert "the transport's rate limiter at 80 Mbit/s" in err
+        assert all("--rate-mbit" in p["args"] for p in saved["phones"])
+    assert json.loads((run / "summary.json").read_text())["micro_batches"] == 4
+
+
+def test_link_options_need_emulated_phones(small_export, data_file, tmp_path, capsys):
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "auto",
+                 "--link-mbit", "50", "--out", str(tmp_path / "r")]) == 2
+    assert "use --devices emulated:N" in _error_line(capsys)
+    with pytest.raises(SystemExit):
+        main(["run", "--program", str(small_export[0]), "--devices", "emulated:3", "--link-mbit", "0"])
+    assert "--link-mbit: must be > 0, got 0" in capsys.readouterr().err
 
 
 def test_sigterm_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path):
