@@ -32,6 +32,7 @@ from common import REPO, now_iso  # noqa: E402
 from host.pipeline_model import LinkModel, StageTimes, simulate  # noqa: E402
 
 BASELINES = ("gpipe", "1f1b", "pipedream")
+TARGETS = {"gpipe": 1.6, "1f1b": 1.6, "pipedream": 1.05}  # issue 7's throughput targets at b=8, m=4
 
 
 def stage_times(timelines: list[list], n_stages: int) -> list[StageTimes]:
@@ -166,6 +167,8 @@ def plot(rows, methods, stage_counts, path: Path, name) -> str:
                           if r["stages"] == n and r["rate_mbit"] == rate), None)
                 if q:
                     ax.plot([n], [q], marker="x", color=line.get_color(), markersize=9)
+        ax.axhline(TARGETS[x], ls="--", color="gray", lw=1)
+        ax.text(stage_counts[0], TARGETS[x], f" target {TARGETS[x]:g}x", va="bottom", fontsize=7, color="gray")
         ax.set_title(f"ZeroLock / {x}")
         ax.set_xlabel("stages")
         ax.set_xticks(stage_counts)
