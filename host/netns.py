@@ -117,7 +117,8 @@ class PhoneNet:
     """Phone i's namespace: run its process under `prefix`, bind and reach it at `address`."""
     ns: str
     address: str
-    host_dev: str
+    host_dev: str   # the veth end on the bridge (the phone's download is shaped here)
+    phone_dev: str  # the veth end in the namespace (its upload)
 
     @property
     def prefix(self) -> list[str]:
@@ -146,13 +147,15 @@ class ShapedNetwork:
         """A /24 in 10.200-239.x, picked from the tag so concurrent networks rarely collide."""
         return f"10.{200 + int(self.tag, 16) % 40}.{int(self.tag[:2], 16)}"
 
+    def _phone(self, i: int) -> PhoneNet:
+        return PhoneNet(f"{_ns_prefix(self.tag)}{i}", f"{self._net}.{i + 2}", f"zl{self.tag}h{i}", f"zl{self.tag}v{i}")
+
     @property
     def host_address(self) -> str:
         return f"{self._net}.1"
 
     def open(self) -> "ShapedNetwork":
         """Callers check unavailable() first (once) to choose between this and the rate limiter."""
-        net = self._net
         sweep_stale()
         OWNERS.mkdir(parents=True, exist_ok=True)
         tmp = OWNERS / f".{self.tag}"  # written whole, then renamed: a sweep never reads it half-written
@@ -163,10 +166,10 @@ class ShapedNetwork:
             _ip("ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge)
             _ip("ip", "link", "set", self.bridge, "up")
             for i in range(self.n):
-                ns, h, p = f"{_ns_prefix(self.tag)}{i}", f"zl{self.tag}h{i}", f"zl{self.tag}v{i}"  # reopen() too
-                addr = f"{net}.{i + 2}"
+                ph = self._phone(i)
+                ns, h, p, addr = ph.ns, ph.host_dev, ph.phone_dev, ph.address
                 _ip("ip", "netns", "add", ns)
-                self.phones.append(PhoneNet(ns, addr, h))
+                self.phones.append(ph)
                 _ip("ip", "link", "add", h, "type", "veth", "peer", "name", p)
                 _ip("ip", "link", "set", p, "netns", ns)
                 _ip("ip", "link", "set", h, "master", self.bridge)
@@ -189,14 +192,14 @@ class ShapedNetwork:
     def reopen(self) -> "ShapedNetwork":
         """Take over this tag's network if a previous owner (a killed zl-host) left it whole, so
         its phones stay reachable at the same addresses; else make it anew."""
-        existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        names = [f"{_ns_prefix(self.tag)}{i}" for i in range(self.n)]
+        existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        phones = [self._phone(i) for i in range(self.n)]
         rec = OWNERS / self.tag
-        if rec.exists() and all(n in existing.split() for n in names):
+        if rec.exists() and all(ph.ns in existing for ph in phones):
             rec.write_text(str(os.getpid()))
-            self.phones = [PhoneNet(n, f"{self._net}.{i + 2}", f"zl{self.tag}h{i}") for i, n in enumerate(names)]
+            self.phones = phones
             return self
-        _remove(self.tag, [n for n in names if n in existing.split()])
+        _remove(self.tag, [ph.ns for ph in phones if ph.ns in existing])
         return self.open()
 
     def __enter__(self) -> "ShapedNetwork":

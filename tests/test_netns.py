@@ -72,7 +72,7 @@ def test_shaped_links_pass_whole_packets(mbit):
     # sending phone's core (a sending stage's phase 2 ran 25% slower at 50 Mbit/s): the links' packets fit
     with netns.ShapedNetwork(1, mbit) as net:
         ph = net.phones[0]
-        for dev, ns in ((ph.host_dev, None), (f"zl{net.tag}v0", ph.ns)):
+        for dev, ns in ((ph.host_dev, None), (ph.phone_dev, ph.ns)):
             burst = _json(["tc", "-j", "qdisc", "show", "dev", dev], ns)[0]["options"]["burst"]
             gso = _json(["ip", "-d", "-j", "link", "show", "dev", dev], ns)[0]["gso_max_size"]
             assert gso < burst, (dev, gso, burst)
