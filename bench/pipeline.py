@@ -55,6 +55,7 @@ from common import MiB, REPO, bench_micro_batches, machine, now_iso, run_on_phon
 warnings.filterwarnings("ignore")
 
 LINKS = {None: "Local", 300.0: "Wi-Fi", 100.0: "Mobile", 50.0: "Constrained"}
+LATENCY_MS = {None: 0.0, 300.0: 2.0, 100.0: 20.0, 50.0: 50.0}  # each named link's one-way latency
 
 
 def chunk_spec(stages: int) -> tuple[str, int]:
@@ -240,8 +241,9 @@ def main(argv=None) -> int:
     ap.add_argument("--methods", default="zerolock,gpipe,1f1b,pipedream")
     ap.add_argument("--sweep-methods", default="zerolock,1f1b,pipedream")
     ap.add_argument("--rates", default="none,300,100,50", help="Mbit/s per phone; 'none' = no limit")
-    ap.add_argument("--delays-ms", default="0,2,20,50",
-                    help="one-way latency per --rates entry (zl-phone --link-delay-ms), same order")
+    ap.add_argument("--delays-ms", default=None,
+                    help="one-way latency per --rates entry (zl-phone --link-delay-ms), same order; default: "
+                         "0 / 2 / 20 / 50 ms for none / 300 / 100 / 50, 0 for any other rate")
     ap.add_argument("--links", choices=["auto", "netns", "limiter"], default="auto",
                     help="how links are shaped: netns (kernel, own namespaces), limiter (the transport's token "
                          "bucket), auto (netns where the machine allows it)")
@@ -301,7 +303,8 @@ def main(argv=None) -> int:
     methods = a.methods.split(",")
     sweep = a.sweep_methods.split(",")
     rates = [None if r == "none" else float(r) for r in a.rates.split(",")]
-    delays = [float(d) for d in a.delays_ms.split(",")]
+    delays = ([float(d) for d in a.delays_ms.split(",")] if a.delays_ms is not None
+              else [LATENCY_MS.get(r, 0.0) for r in rates])
     if len(delays) != len(rates):
         ap.error(f"--delays-ms has {len(delays)} values for {len(rates)} --rates: give one per rate")
     delay_of = dict(zip(rates, delays))
