@@ -530,3 +530,43 @@ def test_token_file_is_private(phone):
     path = phone.workdir / "pairing_token"
     assert path.read_text().strip() == phone.token
     assert path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
+
+
+def test_a_full_disk_is_named_as_such_and_nothing_half_written_stays(tmp_path):
+    """A write that fails on the device (ENOSPC: a real full disk cannot be made safely here, so
+    the transfer's file handle fails its writes from the second chunk on) is reported by FILE_END
+    as what it is, with the fix, not as the offset mismatch every later chunk would cause."""
+    import errno
+
+    from zl_mobile.device import Device
+
+    class FullDisk:
+        def __init__(self, fh):
+            self.fh, self.writes = fh, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes > 1:
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return self.fh.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.fh, name)
+
+    device = Device("full", tmp_path, new_token())
+    data = secrets.token_bytes(3 << 20)
+    tid = next(_seq)
+    device.handle(Message(MsgType.FILE_BEGIN, {"transfer_id": tid, "name": "big.ptd", "kind": "weights",
+                                               "size": len(data), "sha256": _sha(data)}))
+    tr = device._transfers[tid]
+    tr["fh"] = FullDisk(tr["fh"])
+    for off in range(0, len(data), 1 << 20):
+        device.handle(Message(MsgType.FILE_CHUNK, {"transfer_id": tid, "offset": off},
+                              {"data": np.frombuffer(data[off:off + (1 << 20)], dtype=np.uint8)}))
+    reply = device.handle(Message(MsgType.FILE_END, {"transfer_id": tid}))
+    assert reply["ok"] is False
+    msg = reply["message"]
+    assert "big.ptd" in msg and "No space left on device" in msg and "after 1048576 bytes" in msg
+    assert "make room" in msg and "push it again" in msg and "does not follow" not in msg
+    files = tmp_path / "files"
+    assert not (files / "big.ptd").exists() and not (files / "big.ptd.part").exists()

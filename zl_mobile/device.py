@@ -160,24 +160,41 @@ class Device:
         tr = self._transfers.get(msg["transfer_id"])
         if tr is None:
             raise ProtocolError(ErrorCode.UNEXPECTED, f"FILE_CHUNK for unknown transfer {msg['transfer_id']}; send FILE_BEGIN first")
+        if not tr["ok"]:
+            return None  # FILE_END reports the first failure, not the chunks after it
         data = np.asarray(msg.tensors["data"]).tobytes()
         if msg["offset"] != tr["size"] or tr["size"] + len(data) > tr["meta"]["size"]:
             tr["ok"], tr["why"] = False, f"chunk at offset {msg['offset']} does not follow {tr['size']} bytes received"
             return None
-        if tr["ok"]:
+        try:
             tr["fh"].write(data)
-            tr["sha"].update(data)
-            tr["size"] += len(data)
+        except OSError as e:  # a full disk: say so, not the offset mismatch every later chunk would cause
+            tr["ok"], tr["why"] = False, self._write_failed(tr, e)
+            return None
+        tr["sha"].update(data)
+        tr["size"] += len(data)
         return None
+
+    def _write_failed(self, tr: dict, e: OSError) -> str:
+        return (f"{tr['meta']['name']}: writing it failed on the device after {tr['size']} bytes "
+                f"({e.strerror or e}); make room in {self.files} and push it again")
 
     def _file_end(self, msg: Message) -> Message:
         tid = msg["transfer_id"]
         tr = self._transfers.pop(tid, None)
         if tr is None:
             raise ProtocolError(ErrorCode.UNEXPECTED, f"FILE_END for unknown transfer {tid}")
-        tr["fh"].flush()
-        os.fsync(tr["fh"].fileno())
-        tr["fh"].close()
+        try:
+            tr["fh"].flush()
+            os.fsync(tr["fh"].fileno())
+        except OSError as e:
+            if tr["ok"]:
+                tr["ok"], tr["why"] = False, self._write_failed(tr, e)
+        finally:
+            try:
+                tr["fh"].close()
+            except OSError:
+                pass  # the failed flush already said why
         meta, digest = tr["meta"], tr["sha"].hexdigest()
         ok = tr["ok"] and tr["size"] == meta["size"] and digest == meta["sha256"]
         if ok:
