@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import time
 import warnings
@@ -100,10 +101,14 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
                              coordinator_cls=BenchCoordinator, max_seconds=watchdog_s, network=network)
 
     if links == "limiter":
-        return run()
-    from host.netns import ShapedNetwork
-    with ShapedNetwork(n_phones, rate) as network:  # Local too, so only the rate differs across the sweep
-        return run(network)
+        out = run()
+    else:
+        from host.netns import ShapedNetwork
+        with ShapedNetwork(n_phones, rate) as network:  # Local too, so only the rate differs across the sweep
+            out = run(network)
+    # every phone holds a copy of the export (GBs at TinyLlama shape); a failed run's stay, for its logs
+    shutil.rmtree(root, ignore_errors=True)
+    return out
 
 
 def analyse(result, records, chunks, schedule, window_size, micro_batch, windows) -> dict:
@@ -344,6 +349,15 @@ def main(argv=None) -> int:
 
     def get(m, rate):
         return next((r for r in runs if r["method"] == m and r["rate_mbit"] == rate), None)
+
+    failed = [m for m in methods if get(m, None) is None]
+    if "zerolock" in failed:
+        print("ZeroLock's Local run failed: nothing to compare against (see the FAILED lines above)", flush=True)
+        return 1
+    if failed:
+        print(f"left out of the tables (their runs failed, see above): {', '.join(failed)}", flush=True)
+        methods = [m for m in methods if m not in failed]
+        sweep = [m for m in sweep if m not in failed]
 
     print("\n| method | peak PSS mean / max over stages | activation memory mean / max | throughput | active fraction | "
           "per stage: peak PSS, held mbs x saved |")
