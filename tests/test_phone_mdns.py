@@ -97,7 +97,11 @@ def test_phone_is_found_over_mdns_on_loopback(advertised_phone):
 def test_phone_stops_cleanly_on_sigint(advertised_phone):
     *_, proc = advertised_phone
     proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=15) == 0
+    try:
+        assert proc.wait(timeout=15) == 0
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the phone did not stop within 15 s of SIGINT; its log:\n{proc.log_path.read_text()}")
     assert "Traceback" not in proc.log_path.read_text()
 
 

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import sys
+import threading
 from pathlib import Path
 
 
@@ -126,8 +127,13 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         pass
     finally:
-        for ad in adverts:
-            ad.close()
+        # mDNS goodbyes are best effort: a multicast send or zeroconf's loop stalling must not keep
+        # Ctrl-C (or the host's SIGTERM) from ending the phone
+        closing = [threading.Thread(target=ad.close, name="mdns-goodbye", daemon=True) for ad in adverts]
+        for t in closing:
+            t.start()
+        for t in closing:
+            t.join(timeout=5.0)
         device.stop_stage()
     return 0
 
