@@ -10,6 +10,7 @@ import argparse
 import logging
 import os
 import secrets
+import signal
 import sys
 import threading
 from pathlib import Path
@@ -65,6 +66,10 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C ends the phone cleanly even when a shell started it with SIGINT ignored (a
+        # background job of a script), which Python would otherwise keep
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if a.link_delay_ms < 0:
         parser.error(f"--link-delay-ms must be >= 0, got {a.link_delay_ms:g}")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
