@@ -91,12 +91,17 @@ def _remove(tag: str, namespaces: list[str]) -> None:
     (OWNERS / tag).unlink(missing_ok=True)
 
 
+def _namespaces() -> list[str]:
+    """The names `ip netns list` shows (each line: NAME [(id: N)])."""
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
 def sweep_stale() -> list[str]:
     """Remove the networks whose owner process is gone without closing them; their tags."""
     if not OWNERS.is_dir():
         return []
-    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
-    names = [line.split()[0] for line in listed if line.strip()]
+    names = _namespaces()
     removed = []
     for rec in OWNERS.iterdir():
         if rec.name.startswith("."):
@@ -192,7 +197,7 @@ class ShapedNetwork:
     def reopen(self) -> "ShapedNetwork":
         """Take over this tag's network if a previous owner (a killed zl-host) left it whole, so
         its phones stay reachable at the same addresses; else make it anew."""
-        existing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+        existing = _namespaces()
         phones = [self._phone(i) for i in range(self.n)]
         rec = OWNERS / self.tag
         if rec.exists() and all(ph.ns in existing for ph in phones):
