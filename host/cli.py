@@ -352,7 +352,12 @@ def main(argv=None) -> int:
     import threading
 
     on_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _interrupt) if on_main else None
+    previous = {}
+    if on_main:
+        # SIGINT too: a shell starts a script's background job with SIGINT ignored, and Python
+        # keeps an inherited SIG_IGN, so Ctrl-C / kill -INT would do nothing
+        previous = {s: signal.signal(s, h) for s, h in ((signal.SIGTERM, _interrupt),
+                                                         (signal.SIGINT, signal.default_int_handler))}
     try:
         return a.func(a)
     except CliError as e:
@@ -362,8 +367,8 @@ def main(argv=None) -> int:
         console.print("zl-host: interrupted; continue with zl-host run --resume RUN_DIR", markup=False)
         return 130
     finally:
-        if on_main:
-            signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 if __name__ == "__main__":

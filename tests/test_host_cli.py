@@ -229,9 +229,12 @@ def test_link_options_need_emulated_phones(small_export, data_file, tmp_path, ca
     assert "--link-mbit: must be > 0, got 0" in capsys.readouterr().err
 
 
-def test_sigterm_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path):
-    """SIGTERM mid-run: the host stops the phones it started (and would remove its adb forwards,
-    in the same clean-up), prints the resume hint and exits 130, instead of dying with orphans."""
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path, sig):
+    """SIGTERM or SIGINT mid-run: the host stops the phones it started (and would remove its adb
+    forwards, in the same clean-up), prints the resume hint and exits 130, instead of dying with
+    orphans. The host is started with SIGINT ignored, as a script's background job is: Python keeps
+    an inherited SIG_IGN unless the host installs its own handler."""
     import signal
     import subprocess
     import sys
@@ -240,7 +243,8 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path):
     run = tmp_path / "run"
     host = subprocess.Popen([sys.executable, "-m", "host.cli", "run", "--program", str(small_export[0]),
                              "--data", str(data_file), "--devices", "emulated:3", "--steps", "200", "--window", "2",
-                             "--out", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                             "--out", str(run)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + 120
     while time.time() < deadline and host.poll() is None:
         metrics = run / "metrics.jsonl"
@@ -250,11 +254,11 @@ def test_sigterm_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path):
     assert host.poll() is None, "the host finished before it could be stopped"
     pids = [p["pid"] for p in json.loads((run / "run.json").read_text())["phones"]]
     assert len(pids) == 3 and all(_alive(pid) for pid in pids)
-    host.send_signal(signal.SIGTERM)
+    host.send_signal(getattr(signal, sig))
     _, err = host.communicate(timeout=60)
     assert host.returncode == 130, err
     assert "zl-host run --resume" in err
-    assert not any(_alive(pid) for pid in pids), "emulated phones left running after SIGTERM"
+    assert not any(_alive(pid) for pid in pids), f"emulated phones left running after {sig}"
 
 
 def _alive(pid: int) -> bool:
