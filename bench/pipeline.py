@@ -113,9 +113,12 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
 
 def analyse(result, records, chunks, schedule, window_size, micro_batch, windows) -> dict:
     tel = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["window"] < windows]
+    win = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "window"]
     stages = sorted({r["stage"] for r in tel})
     per = []
     for k in stages:
+        runtime = next((r["pss_runtime_bytes"] for r in win if r["stage"] == k and r.get("pss_runtime_bytes")), None)
+        weights = max((r.get("pss_weights_bytes") or 0 for r in win if r["stage"] == k), default=0) or None
         rs = sorted((r for r in tel if r["stage"] == k), key=lambda r: r["phase2_end"])
         chunk = chunks[k]
         saved = chunk["bp"]["saved_activation_bytes"] if schedule != "zerolock" else chunk["saved_activation_bytes"]
@@ -131,7 +134,8 @@ def analyse(result, records, chunks, schedule, window_size, micro_batch, windows
                     "held_micro_batches": held, "saved_activation_bytes_per_mb": saved,
                     "activation_bytes": held * saved, "active_fraction": act / (act + wait) if act + wait else None,
                     "active_fraction_whole_run": a1["active_s"] / (a1["active_s"] + a1["wait_s"]),
-                    "steady_micro_batches": len(steady)})
+                    "steady_micro_batches": len(steady), "pss_runtime_bytes": runtime, "pss_weights_bytes": weights})
+        per[-1]["training_peak_bytes"] = per[-1]["pss_peak_bytes"] - runtime if runtime else None
     # steady-state throughput: samples of windows >= 1 over the time between the end of window 0
     # and the end of the last window (last micro-batch's phase-2 end, over all stages)
     ends = {}
@@ -146,11 +150,21 @@ def analyse(result, records, chunks, schedule, window_size, micro_batch, windows
     fr = [p["active_fraction"] for p in per if p["active_fraction"] is not None]
     return {"per_stage": per, "throughput_sps": n_samples / steady_s if steady_s > 0 else None, "steady_s": steady_s,
             "run_seconds": result["seconds"], "link_bytes": result["link_bytes"],
-            "pss_peak_mean": sum(pss) / len(pss), "pss_peak_max": max(pss),
+            "pss_peak_mean": sum(pss) / len(pss), "pss_peak_max": max(pss), **training_peaks(per),
             "act_mean": sum(acts) / len(acts), "act_max": max(acts),
             "active_fraction_mean": sum(fr) / len(fr) if fr else None,
             "last_loss": losses[-1] if losses else None, "errors": result["errors"],
             "timeline": [{"stage": r["stage"], "spans": r.get("spans", [])} for r in tel]}
+
+
+def training_peaks(per: list) -> dict:
+    """Mean and max over stages of the peak PSS less the runtime's own PSS (what the seed's Fig. 4
+    counts: model + state, weight cache, activations; a GPU allocator's view leaves out the process
+    and its libraries the same way). None where a stage did not report its runtime PSS."""
+    t = [p.get("training_peak_bytes") for p in per]
+    if not t or None in t:
+        return {"train_peak_mean": None, "train_peak_max": None}
+    return {"train_peak_mean": sum(t) / len(t), "train_peak_max": max(t)}
 
 
 def merge(reps: list) -> dict:
@@ -169,15 +183,57 @@ def merge(reps: list) -> dict:
     for j, p in enumerate(reps[0]["per_stage"]):
         q = dict(p)
         q["pss_peak_bytes"] = max(r["per_stage"][j]["pss_peak_bytes"] for r in reps)
+        if all(r["per_stage"][j].get("training_peak_bytes") is not None for r in reps):
+            q["training_peak_bytes"] = max(r["per_stage"][j]["training_peak_bytes"] for r in reps)
+            q["pss_runtime_bytes"] = statistics.median(r["per_stage"][j]["pss_runtime_bytes"] for r in reps)
         q["held_micro_batches"] = max(r["per_stage"][j]["held_micro_batches"] for r in reps)
         q["activation_bytes"] = q["held_micro_batches"] * q["saved_activation_bytes_per_mb"]
         q["active_fraction"] = statistics.median(r["per_stage"][j]["active_fraction"] for r in reps)
         per.append(q)
     out["per_stage"] = per
+    if all(r.get("train_peak_mean") is not None for r in reps):  # as the PSS figures: median of means, max of maxes
+        out["train_peak_mean"] = statistics.median(r["train_peak_mean"] for r in reps)
+        out["train_peak_max"] = max(r["train_peak_max"] for r in reps)
     out["act_mean"] = sum(p["activation_bytes"] for p in per) / len(per)
     out["act_max"] = max(p["activation_bytes"] for p in per)
     out["reps"] = len(reps)
     return out
+
+
+BREAKDOWN = (("runtime (process before loading)", "tab:gray"), ("weights (mapped .ptd)", "tab:blue"),
+             ("held activations", "tab:red"), ("other (arenas, LoRA + AdamW, buffers)", "tab:olive"))
+
+
+def breakdown(p: dict) -> list[float]:
+    """A stage's peak PSS in the parts of BREAKDOWN (bytes); `other` is what remains of the peak."""
+    runtime, weights, acts = p.get("pss_runtime_bytes") or 0, p.get("pss_weights_bytes") or 0, p["activation_bytes"]
+    return [runtime, weights, acts, max(p["pss_peak_bytes"] - runtime - weights - acts, 0)]
+
+
+def memory_breakdown_plot(plt, base: list, path: Path) -> str:
+    """Left: each stage's peak PSS stacked by what holds it (the seed's Fig. 4); right: the peak
+    less the runtime, per stage, with each method's mean over stages."""
+    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    n_st = len(base[0]["per_stage"])
+    width = 0.8 / n_st
+    for i, r in enumerate(base):
+        for j, p in enumerate(r["per_stage"]):
+            x, bottom = i + j * width, 0.0
+            for (name, color), v in zip(BREAKDOWN, breakdown(p)):
+                ax[0].bar(x, v / MiB, width * 0.95, bottom=bottom, color=color, label=name if i == j == 0 else None)
+                bottom += v / MiB
+            if p.get("training_peak_bytes") is not None:
+                ax[1].bar(x, p["training_peak_bytes"] / MiB, width * 0.95, color=f"C{j}", label=f"stage {j}" if i == 0 else None)
+        if r.get("train_peak_mean") is not None:
+            ax[1].hlines(r["train_peak_mean"] / MiB, i - width / 2, i + width * (n_st - 0.5), color="k", lw=1.5,
+                         label="mean over stages" if i == 0 else None)
+    for a, title in ((ax[0], "peak PSS per stage, by what holds it (MiB)"),
+                     (ax[1], "peak PSS less the runtime, per stage (MiB)")):
+        a.set_xticks([i + width * (n_st - 1) / 2 for i in range(len(base))])
+        a.set_xticklabels([f"{r['method']}\n(stages 0..{n_st - 1})" for r in base])
+        a.set_title(title, fontsize=10)
+        a.legend(fontsize=7)
+    return save_figure(fig, path)
 
 
 def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = "pipeline") -> list[str]:
@@ -188,19 +244,8 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
 
     paths = []
     base = [r for r in runs if r["rate_mbit"] is None]
-    fig, ax = plt.subplots(1, 2, figsize=(10, 3.8))
-    n_st = len(base[0]["per_stage"])
-    width = 0.8 / n_st
-    for j in range(n_st):
-        xs = [i + j * width for i in range(len(base))]
-        ax[0].bar(xs, [r["per_stage"][j]["pss_peak_bytes"] / MiB for r in base], width, label=f"stage {j}")
-        ax[1].bar(xs, [r["per_stage"][j]["activation_bytes"] / MiB for r in base], width, label=f"stage {j}")
-    for a, title in ((ax[0], "peak PSS per stage (MiB)"), (ax[1], "held activations per stage (MiB)")):
-        a.set_xticks([i + width * (n_st - 1) / 2 for i in range(len(base))])
-        a.set_xticklabels([r["method"] for r in base])
-        a.set_title(title)
-        a.legend()
-    paths.append(save_figure(fig, out_dir / f"{stem}_pss.png"))
+    paths.append(memory_breakdown_plot(plt, base, out_dir / f"{stem}_pss.png"))
+
 
     fig, ax = plt.subplots(figsize=(6, 3.8))
     def label(r):
@@ -366,6 +411,10 @@ def main(argv=None) -> int:
         r = get(m, None)
         st = "; ".join(f"s{p['stage']}: {p['pss_peak_bytes'] / MiB:.0f} MiB, {p['held_micro_batches']} x "
                        f"{p['saved_activation_bytes_per_mb'] / MiB:.1f} MiB" for p in r["per_stage"])
+        if r.get("train_peak_mean") is not None:
+            rt = ", ".join(f"{p['pss_runtime_bytes'] / MiB:.0f}" for p in r["per_stage"])
+            st += (f"; less the runtime ({rt} MiB): "
+                   f"mean {r['train_peak_mean'] / MiB:.0f} / max {r['train_peak_max'] / MiB:.0f} MiB")
         print(f"| {m} | {r['pss_peak_mean'] / MiB:,.0f} / {r['pss_peak_max'] / MiB:,.0f} MiB | "
               f"{r['act_mean'] / MiB:,.1f} / {r['act_max'] / MiB:,.1f} MiB | {r['throughput_sps']:.2f} samples/s | "
               f"{r['active_fraction_mean']:.2f} | {st} |")
@@ -376,12 +425,17 @@ def main(argv=None) -> int:
         if m == "zerolock":
             continue
         r = get(m, None)
-        ratios[m] = {"pss_peak_mean": z["pss_peak_mean"] / r["pss_peak_mean"], "pss_peak_max": z["pss_peak_max"] / r["pss_peak_max"],
+        if z.get("train_peak_mean") and r.get("train_peak_mean"):
+            ratios.setdefault(m, {}).update(train_peak_mean=z["train_peak_mean"] / r["train_peak_mean"],
+                                            train_peak_max=z["train_peak_max"] / r["train_peak_max"])
+        ratios[m] = {**ratios.get(m, {}), "pss_peak_mean": z["pss_peak_mean"] / r["pss_peak_mean"], "pss_peak_max": z["pss_peak_max"] / r["pss_peak_max"],
                      "act_max": z["act_max"] / r["act_max"], "throughput": z["throughput_sps"] / r["throughput_sps"],
                      "active_fraction": z["active_fraction_mean"] / r["active_fraction_mean"]}
         print(f"  vs {m}: PSS mean {ratios[m]['pss_peak_mean']:.3f}, PSS max {ratios[m]['pss_peak_max']:.3f}, "
               f"activations max {ratios[m]['act_max']:.3f}, throughput {ratios[m]['throughput']:.3f}, "
-              f"active fraction {ratios[m]['active_fraction']:.3f}")
+              f"active fraction {ratios[m]['active_fraction']:.3f}"
+              + (f"; peak PSS less the runtime: mean {ratios[m]['train_peak_mean']:.3f}, max {ratios[m]['train_peak_max']:.3f}"
+                 if "train_peak_mean" in ratios[m] else ""))
     print("\nthroughput (samples/s) vs link:")
     print("| method | " + " | ".join(LINKS.get(r, str(r)) + (f" ({r:g} Mbit/s" if r else " (")
                                      + (f", {delay_of[r]:g} ms)" if delay_of[r] else ")" if r else "no limit)") for r in rates) + " |")

@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.common import REPO, machine, memory_snapshot, mib, now_iso, replace_md_section, run_sampled  # noqa: E402
+from zl_mobile.telemetry import read_pss_by_backing  # noqa: E402
 
 RESULTS = REPO / "bench" / "results"
 DEFAULT_EXPORT = Path("/tmp/zl_bench_tinyllama/tinyllama_xnnpack_lp128")
@@ -107,7 +108,7 @@ def worker(export_dir: Path, chunk: int, micro_batches: int, window: int, gap_s:
                     raise RuntimeError(f"stage {chunk} did not finish micro-batch {mb} within 600 s")
             time.sleep(gap_s)
         marks["end"] = memory_snapshot()
-        marks["pss_by_mapping"] = pss_by_mapping(export_dir)  # resting, after the last pause
+        marks["pss_by_mapping"] = pss_by_mapping()  # resting, after the last pause
         feed.close()
         stage.stop()
     tel = [dict(m.meta) for m in events if m.type == MsgType.TELEMETRY]
@@ -115,25 +116,11 @@ def worker(export_dir: Path, chunk: int, micro_batches: int, window: int, gap_s:
     return {"marks": marks, "telemetry": tel, "errors": errors, "fed_at": fed_at}
 
 
-def pss_by_mapping(export_dir: Path) -> dict:
-    """This process's PSS split by what backs it (from /proc/self/smaps): the chunk's weights
-    file (.ptd), its program (.pte), other files (shared libraries: torch, ExecuTorch, ...) and
-    anonymous memory (heap: arenas, XNNPACK buffers, Python objects, tensors)."""
-    parts = {"weights (.ptd)": 0, "program (.pte)": 0, "libraries and other files": 0, "anonymous (heap)": 0}
-    kind = "anonymous (heap)"
-    try:
-        lines = Path("/proc/self/smaps").read_text().splitlines()
-    except OSError:
-        return {}
-    for line in lines:
-        head = line.split()
-        if head and "-" in head[0] and len(head) >= 5 and not head[0].endswith(":"):
-            path = head[5] if len(head) > 5 else ""
-            kind = ("weights (.ptd)" if path.endswith(".ptd") else "program (.pte)" if path.endswith(".pte")
-                    else "libraries and other files" if path.startswith("/") else "anonymous (heap)")
-        elif line.startswith("Pss:"):
-            parts[kind] += int(head[1]) * 1024
-    return parts
+def pss_by_mapping() -> dict:
+    """This process's PSS by what backs it (zl_mobile.telemetry.read_pss_by_backing), named for the report."""
+    names = {"weights": "weights (.ptd)", "program": "program (.pte)", "libraries": "libraries and other files",
+             "anonymous": "anonymous (heap)"}
+    return {names[k]: v for k, v in (read_pss_by_backing() or {}).items()}
 
 
 def analyse(run: dict, manifest: dict, entry: dict, export_dir: Path) -> dict:

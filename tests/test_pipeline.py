@@ -66,6 +66,23 @@ def test_telemetry_reports_memory_and_time(trained):
     assert tel[-1]["active_s"] > 0
 
 
+def test_window_telemetry_breaks_memory_down(trained):
+    """Each stage reports what its runtime costs before any program is loaded and what its mapped
+    weights file holds: the parts of the memory breakdown the pipeline bench draws."""
+    out, manifest, result, records = trained
+    mbs = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
+    windows = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "window"]
+    for k, chunk in enumerate(manifest["chunks"]):
+        mine = [r for r in windows if r["stage"] == k]
+        runtime = {r["pss_runtime_bytes"] for r in mine}
+        assert len(runtime) == 1, "read once, before the program was loaded"
+        peak = max(r["pss_bytes"] for r in mbs if r["stage"] == k)
+        assert 10 << 20 < runtime.pop() < peak
+        weights = {r["pss_weights_bytes"] for r in mine}
+        ptd = (out / chunk["weights"]).stat().st_size
+        assert len(weights) == 1 and 0 < weights.pop() <= ptd + 4096, (weights, ptd)
+
+
 def test_window_telemetry_sums_up_its_micro_batches(trained):
     out, manifest, result, records = trained
     mbs = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]

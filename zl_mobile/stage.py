@@ -27,7 +27,8 @@ from .program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
 from .schedules import forwards_held, schedule
-from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
+from .telemetry import (ActivityClock, read_pss_by_backing, read_pss_bytes, read_temperature_c, runtime_pss_bytes,
+                        take_peak_rss_bytes)
 
 log = logging.getLogger("zl_mobile.stage")
 FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint")
@@ -84,6 +85,8 @@ class Stage:
         # zl_mobile.backends.Backend.load picks the runtime; a schedule that runs each phase 2
         # before the next phase 1 lets phase 1's saved activations stay in its arena (ChunkProgram)
         in_place = forwards_held(cfg.schedule, cfg.stage, cfg.num_stages, cfg.window_size) == 1
+        self.runtime_pss = runtime_pss_bytes()  # before the first load: the memory breakdown's "runtime"
+        self._weights_pss = None
         self.program = load_program(export_dir, entry, in_place=in_place)
         self.first_input = chunk["first_input"]
         self.is_last = cfg.stage == cfg.num_stages - 1
@@ -299,8 +302,17 @@ class Stage:
             "phase1_s": ws["phase1_s"], "phase2_s": ws["phase2_s"], "step_s": step_s,
             **{k: now[k] - then[k] for k in now},  # active/wait time, wall time and traffic of this window
             "pss_bytes": read_pss_bytes(), "rss_peak_bytes": max(ws["rss_peak"], take_peak_rss_bytes() or 0) or None,
-            "temperature_c": read_temperature_c(),
+            "temperature_c": read_temperature_c(), "pss_runtime_bytes": self.runtime_pss,
+            "pss_weights_bytes": self._weights_pss_bytes(),
         })))
+
+    def _weights_pss_bytes(self) -> int | None:
+        """PSS of the mapped weights file, read after the first window (every page has been used by
+        then) and kept: reading smaps takes ~15 ms, too long for every window. None when the
+        weights are not a mapped file (the eager backend loads them onto the heap)."""
+        if self._weights_pss is None:
+            self._weights_pss = (read_pss_by_backing() or {}).get("weights") or 0
+        return self._weights_pss or None
 
     def _end_window(self, w: int) -> None:
         acc = self._acc.pop(w)

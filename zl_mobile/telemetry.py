@@ -17,6 +17,40 @@ def read_pss_bytes(pid: str | int = "self") -> int | None:
     return None
 
 
+def read_pss_by_backing(pid: str | int = "self") -> dict | None:
+    """PSS split by what backs it (/proc/<pid>/smaps): the chunk's weights files (.ptd), its
+    program (.pte), other files (shared libraries: the runtime, torch, ...) and anonymous memory
+    (heap: arenas, buffers, tensors, interpreter objects). None where unavailable."""
+    parts = {"weights": 0, "program": 0, "libraries": 0, "anonymous": 0}
+    kind = "anonymous"
+    try:
+        lines = Path(f"/proc/{pid}/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        head = line.split()
+        if head and not head[0].endswith(":"):  # a mapping's header: range perms offset dev inode [path]
+            path = head[5] if len(head) > 5 else ""
+            kind = ("weights" if path.endswith(".ptd") else "program" if path.endswith(".pte")
+                    else "libraries" if path.startswith("/") else "anonymous")
+        elif head and head[0] == "Pss:":
+            parts[kind] += int(head[1]) * 1024
+    return parts
+
+
+_runtime_pss: int | None = None
+
+
+def runtime_pss_bytes() -> int | None:
+    """This process's PSS before its first program was loaded: what the runtime itself costs
+    (on an emulated phone the Python interpreter, torch and ExecuTorch), which no schedule
+    changes. Read once, at the first call; the stage calls it before loading its program."""
+    global _runtime_pss
+    if _runtime_pss is None:
+        _runtime_pss = read_pss_bytes()
+    return _runtime_pss
+
+
 def read_temperature_c() -> float | None:
     """The hottest thermal zone (or a battery supply's temp), if the hardware exposes one.
     None means unavailable: a temperature is never invented."""
