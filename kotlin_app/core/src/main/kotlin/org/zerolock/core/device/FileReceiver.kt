@@ -5,6 +5,7 @@ import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.MsgType
 import java.io.File
 import java.io.FileOutputStream
+import java.io.IOException
 import java.nio.file.Files
 import java.nio.file.StandardCopyOption
 import java.security.MessageDigest
@@ -13,9 +14,11 @@ import java.security.MessageDigest
  * Receives FILE_BEGIN / FILE_CHUNK / FILE_END (PROTOCOL.md 5.2) into [dir]: bytes go to
  * `<name>.part`, are hashed on the way, and on FILE_END a matching size + SHA-256 renames the
  * file into place atomically. Returns the FILE_RESULT to send (null for FILE_CHUNK on success).
+ * A failed write (a full disk) fails the transfer with its reason, and the part file is removed;
+ * [open] is how a part file is opened (a test passes one that fails like a full disk).
  */
-class FileReceiver(private val dir: File) {
-    private class Transfer(val name: String, val size: Long, val sha256: String, val part: File, val out: FileOutputStream) {
+class FileReceiver(private val dir: File, private val open: (File) -> FileOutputStream = ::FileOutputStream) {
+    private class Transfer(val name: String, val size: Long, val sha256: String, val part: File, val out: FileOutputStream?) {
         val digest: MessageDigest = MessageDigest.getInstance("SHA-256")
         var received = 0L
         var failed: String? = null
@@ -38,13 +41,25 @@ class FileReceiver(private val dir: File) {
 
     private fun begin(m: Message): Message? {
         val id = m.long("transfer_id")
-        transfers.remove(id)?.let { it.out.close(); it.part.delete() }
+        transfers.remove(id)?.let { discard(it) }
         dir.mkdirs()
         val name = m.string("name") // validated as a plain file name by the schema
         val part = File(dir, "$name.part")
-        transfers[id] = Transfer(name, m.long("size"), m.string("sha256"), part, FileOutputStream(part))
+        var why: String? = null
+        val out = try { open(part) } catch (e: IOException) { why = e.message; null }
+        val t = Transfer(name, m.long("size"), m.string("sha256"), part, out)
+        if (out == null) t.failed = "$name: the device could not create it in $dir ($why); make room there (or check its permissions) and push it again"
+        transfers[id] = t
         return null
     }
+
+    private fun discard(t: Transfer) {
+        try { t.out?.close() } catch (_: IOException) {}
+        t.part.delete()
+    }
+
+    private fun writeFailed(t: Transfer, e: IOException) =
+        "${t.name}: writing it failed on the device after ${t.received} bytes (${e.message}); make room in $dir and push it again"
 
     private fun chunk(m: Message): Message? {
         val id = m.long("transfer_id")
@@ -55,7 +70,12 @@ class FileReceiver(private val dir: File) {
         when {
             off != t.received -> t.failed = "chunk at offset $off, expected ${t.received} (gap or overlap)"
             t.received + data.size > t.size -> t.failed = "chunks exceed the announced size ${t.size}"
-            else -> { t.out.write(data); t.digest.update(data); t.received += data.size }
+            else -> try {
+                t.out!!.write(data); t.digest.update(data); t.received += data.size
+            } catch (e: IOException) { // a full disk: say so, not the offset mismatch every later chunk would cause
+                t.failed = writeFailed(t, e)
+                discard(t)
+            }
         }
         return null
     }
@@ -63,13 +83,15 @@ class FileReceiver(private val dir: File) {
     private fun end(m: Message): Message {
         val id = m.long("transfer_id")
         val t = transfers.remove(id) ?: return result(id, false, 0, null, "no FILE_BEGIN for transfer $id; start the transfer again")
-        t.out.flush(); t.out.fd.sync(); t.out.close()
+        if (t.failed == null) {
+            try { t.out!!.flush(); t.out.fd.sync(); t.out.close() } catch (e: IOException) { t.failed = writeFailed(t, e) }
+        }
         val sha = Handshake.hex(t.digest.digest())
         val why = t.failed
             ?: if (t.received != t.size) "received ${t.received} of ${t.size} bytes" else null
             ?: if (sha != t.sha256) "sha256 mismatch (got $sha); re-push the file" else null
         if (why != null) {
-            t.part.delete()
+            discard(t)
             return result(id, false, t.received, sha, why)
         }
         Files.move(t.part.toPath(), File(dir, t.name).toPath(), StandardCopyOption.ATOMIC_MOVE, StandardCopyOption.REPLACE_EXISTING)
@@ -77,7 +99,7 @@ class FileReceiver(private val dir: File) {
     }
 
     fun abortAll() {
-        for (t in transfers.values) { try { t.out.close() } catch (_: Exception) {}; t.part.delete() }
+        for (t in transfers.values) discard(t)
         transfers.clear()
     }
 }
