@@ -213,8 +213,9 @@ def breakdown(p: dict) -> list[float]:
 def memory_breakdown_plot(plt, base: list, path: Path) -> str:
     """Left: each stage's peak PSS stacked by what holds it (the seed's Fig. 4); right: the peak
     less the runtime, per stage, with each method's mean over stages."""
-    fig, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    fig, ax = plt.subplots(1, 2, figsize=(12, 5.2))
     n_st = len(base[0]["per_stage"])
+    z = next((r for r in base if r["method"] == "zerolock"), None)
     width = 0.8 / n_st
     for i, r in enumerate(base):
         for j, p in enumerate(r["per_stage"]):
@@ -227,26 +228,20 @@ def memory_breakdown_plot(plt, base: list, path: Path) -> str:
         if r.get("train_peak_mean") is not None:
             ax[1].hlines(r["train_peak_mean"] / MiB, i - width / 2, i + width * (n_st - 0.5), color="k", lw=1.5,
                          label="mean over stages" if i == 0 else None)
+            if z and z is not r and z.get("train_peak_mean"):
+                ax[1].annotate(f"ZeroLock / it: {z['train_peak_mean'] / r['train_peak_mean']:.2f}",
+                               (i + width * (n_st - 1) / 2, r["train_peak_mean"] / MiB), textcoords="offset points",
+                               xytext=(0, 4), ha="center", fontsize=8)
     for a, title in ((ax[0], "peak PSS per stage, by what holds it (MiB)"),
                      (ax[1], "peak PSS less the runtime, per stage (MiB)")):
         a.set_xticks([i + width * (n_st - 1) / 2 for i in range(len(base))])
         a.set_xticklabels([f"{r['method']}\n(stages 0..{n_st - 1})" for r in base])
         a.set_title(title, fontsize=10)
-        a.legend(fontsize=7)
+        a.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2)
     return save_figure(fig, path)
 
 
-def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = "pipeline") -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    paths = []
-    base = [r for r in runs if r["rate_mbit"] is None]
-    paths.append(memory_breakdown_plot(plt, base, out_dir / f"{stem}_pss.png"))
-
-
+def link_plot(plt, runs: list, sweep_methods, rates, path: Path) -> str:
     fig, ax = plt.subplots(figsize=(6, 3.8))
     def label(r):
         d = next((x.get("delay_ms") for x in runs if x["rate_mbit"] == r), 0)
@@ -260,10 +255,24 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
     ax.set_xlabel("link (rate per phone and direction, one-way latency)")
     ax.set_title("throughput vs link")
     ax.legend()
-    paths.append(save_figure(fig, out_dir / f"{stem}_link.png"))
+    return save_figure(fig, path)
+
+
+def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = "pipeline") -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    base = [r for r in runs if r["rate_mbit"] is None]
+    paths.append(memory_breakdown_plot(plt, base, out_dir / f"{stem}_pss.png"))
+    if len(rates) > 1:  # one link has no curve to draw
+        paths.append(link_plot(plt, runs, sweep_methods, rates, out_dir / f"{stem}_link.png"))
 
     from host.report import draw_timeline
 
+    n_st = len(base[0]["per_stage"])
     fig, axes = plt.subplots(len(base), 1, figsize=(11, 0.2 + (0.9 + 0.4 * n_st) * len(base)), squeeze=False)
     for ax, r in zip(axes[:, 0], base):
         draw_timeline(ax, r["timeline"], f"{r['method']} (Local link)")
@@ -451,8 +460,6 @@ def main(argv=None) -> int:
                 f"{get('zerolock', r)['throughput_sps'] / get(m, r)['throughput_sps']:.2f}x"
                 if get("zerolock", r) and get(m, r) else "-" for r in rates) + " |")
 
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    pics = plots(a.out.parent, runs, methods, sweep, rates, a.out.stem)
     out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
            "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in chunks],
            "saved_activation_bytes": {"zerolock": [c["saved_activation_bytes"] for c in chunks],
@@ -463,10 +470,12 @@ def main(argv=None) -> int:
                         "torch_device": a.torch_device, "cores_per_stage": a.cores_per_stage, "links": links, "delays_ms": delays,
                         "phones": f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}"},
            "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios, "throughput_vs_link": sweep_tab,
-           "rates_mbit": rates, "plots": pics}
+           "rates_mbit": rates, "plots": []}
     a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(out, indent=1, default=str))  # before the plots: a plotting error loses no run
+    out["plots"] = plots(a.out.parent, runs, methods, sweep, rates, a.out.stem)
     a.out.write_text(json.dumps(out, indent=1, default=str))
-    print(f"wrote {a.out} and {', '.join(pics)}")
+    print(f"wrote {a.out} and {', '.join(out['plots'])}")
     return 0
 
 

@@ -125,7 +125,7 @@ def main(argv=None) -> int:
         print("no run finished: see the FAILED lines above")
         return 1
 
-    print("\n| b (micro-batch x m) | method | peak PSS max | activations max | samples/s | ZeroLock / it: PSS max, throughput |")
+    print("\n| b (micro-batch x m) | method | peak PSS max | activations max | samples/s | ZeroLock / it: PSS max, PSS mean, PSS less the runtime mean, throughput |")
     print("|---|---|---|---|---|---|")
     ratios = []
     for mb, m in sorted({(r["micro_batch"], r["m"]) for r in rows}, key=lambda x: (x[0] * x[1], x[0])):
@@ -136,9 +136,14 @@ def main(argv=None) -> int:
             if z and r["method"] != "zerolock":
                 q = {"b": mb * m, "micro_batch": mb, "m": m, "vs": r["method"],
                      "pss_peak_max": z["pss_peak_max"] / r["pss_peak_max"],
+                     "pss_peak_mean": z["pss_peak_mean"] / r["pss_peak_mean"],
+                     "train_peak_mean": (z["train_peak_mean"] / r["train_peak_mean"]
+                                         if z.get("train_peak_mean") and r.get("train_peak_mean") else None),
                      "throughput": (z["throughput_sps"] / r["throughput_sps"]) if r["throughput_sps"] else None}
                 ratios.append(q)
-                rat = f"{q['pss_peak_max']:.2f}, " + (f"{q['throughput']:.2f}" if q["throughput"] else "-")
+                rat = (f"{q['pss_peak_max']:.2f}, {q['pss_peak_mean']:.2f}, "
+                       + (f"{q['train_peak_mean']:.2f}, " if q["train_peak_mean"] else "-, ")
+                       + (f"{q['throughput']:.2f}" if q["throughput"] else "-"))
             print(f"| {mb * m} ({mb} x {m}) | {r['method']} | {r['pss_peak_max'] / MiB:.0f} MiB | "
                   f"{r['act_max'] / MiB:.1f} MiB | {r['throughput_sps']:.2f} | {rat} |")
     cap = a.mem_cap * MiB
