@@ -226,6 +226,33 @@ def test_link_delay_hands_frames_on_later_without_slowing_the_link():
         inbound.close()
 
 
+def test_both_ends_of_a_stage_link_buffer_frames_in_the_kernel():
+    """Hidden states go downstream, BP gradients upstream, each sent from the stage's own thread:
+    both ends of the link get a send buffer of a few frames, so a send returns while the bytes go
+    out (a gradient send used to block its stage for the transfer on a slow link, as a hidden-state
+    send did not)."""
+    import socket
+
+    from zl_mobile.connection import tune_link_socket
+    from zl_mobile.links import InboundLink, InboundQueue, OutboundLink
+
+    token, q = new_token(), InboundQueue()
+    inbound = InboundLink("in", token, q, inflight_depth=4, next_needed=lambda: 0, bind="127.0.0.1")
+    out = OutboundLink("out", token, window_size=2, replay_horizon=8)
+    try:
+        out.set_address(f"127.0.0.1:{inbound.port}")
+        out.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": 0, "window": 0}, {"h": np.zeros(4, np.float32)}))
+        assert q.take(0, timeout=10) is not None
+        with socket.socket() as probe:  # what this kernel grants the link's request (capped by wmem_max)
+            tuned = tune_link_socket(probe).getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF)
+        ends = {"downstream (gradients)": inbound._conn.sock, "upstream (hidden states)": out._conn.sock}
+        for name, sock in ends.items():  # an untuned socket has the kernel's autotuned size instead
+            assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == tuned, name
+    finally:
+        out.close()
+        inbound.close()
+
+
 def test_link_delay_option_gives_the_device_its_delay_line(tmp_path, monkeypatch, capsys):
     import zl_mobile.device as device_mod
     from zl_mobile import phone

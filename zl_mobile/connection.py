@@ -44,11 +44,17 @@ class Connection:
         self.sock.close()
 
 
+def tune_link_socket(sock: socket.socket) -> socket.socket:
+    """Both ends of a stage link: no Nagle delay, and room for a few frames (hidden states
+    downstream, BP gradients upstream) in the kernel, so a send returns while the bytes go out
+    and the stage goes on computing, as a GPU pipeline's isend does."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
+    return sock
+
+
 def connect(address: str, timeout: float = 5.0) -> socket.socket:
     host, _, port = address.rpartition(":")
     sock = socket.create_connection((host, int(port)), timeout=timeout)
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    # room for a few hidden states in the kernel, so a send returns while the bytes go out
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 8 << 20)
-    return sock
+    return tune_link_socket(sock)

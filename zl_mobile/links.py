@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 
-from .connection import Connection, connect
+from .connection import Connection, connect, tune_link_socket
 from .protocol import (ConnectionClosed, DeviceAuth, Message, MsgType, ProtocolError, device_handshake,
                        host_handshake)
 
@@ -334,7 +334,7 @@ class InboundLink:
             log.warning("%s: refused an upstream link: %s", self.name, e)
             sock.close()
             return
-        conn = Connection(sock)
+        conn = Connection(tune_link_socket(sock))  # BP gradients go back upstream on this socket
         self._conn = conn
         try:
             conn.send(Message(MsgType.REPLAY_REQUEST, {"from_micro_batch": self.next_needed(), "to_micro_batch": NO_END}))

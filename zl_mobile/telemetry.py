@@ -28,9 +28,9 @@ def read_pss_by_backing(pid: str | int = "self") -> dict | None:
     except OSError:
         return None
     for line in lines:
-        head = line.split()
+        head = line.split(None, 5)
         if head and not head[0].endswith(":"):  # a mapping's header: range perms offset dev inode [path]
-            path = head[5] if len(head) > 5 else ""
+            path = head[5].removesuffix(" (deleted)").rstrip() if len(head) > 5 else ""
             kind = ("weights" if path.endswith(".ptd") else "program" if path.endswith(".pte")
                     else "libraries" if path.startswith("/") else "anonymous")
         elif head and head[0] == "Pss:":
