@@ -6,6 +6,9 @@ every micro-batch step, so a transient peak inside a step is not seen), activati
 (peak number of micro-batches whose saved activations are held x the manifest's
 `saved_activation_bytes` of the program the schedule runs), throughput (samples/s, steady state:
 windows after the first) and active fraction (compute time / (compute + wait) over the steady state).
+Memory breakdown: each stage reports its runtime's PSS (before its program was loaded) and its
+mapped weights' PSS; the peak less the runtime is the seed's measure (model + state, weight cache,
+activations: what a GPU allocator counts), reported beside the raw peak PSS and plotted stacked.
 
 Interpretation of the paper's b and m: b = samples per optimizer step, m = micro-batches per step,
 so b=8, m=4 is micro_batch 2 x window_size 4.
