@@ -131,14 +131,15 @@ def analyse(result, records, chunks, schedule, window_size, micro_batch, windows
         a1 = rs[-1]
         act = a1["active_s"] - a0["active_s"]
         wait = a1["wait_s"] - a0["wait_s"]
-        per.append({"stage": k, "pss_peak_bytes": max(r.get("pss_bytes") or 0 for r in rs),  # read after each step
+        pss_peak = max(r.get("pss_bytes") or 0 for r in rs)  # read after each step
+        per.append({"stage": k, "pss_peak_bytes": pss_peak,
                     "rss_peak_bytes": max(r.get("rss_peak_bytes") or 0 for r in rs),  # kernel's VmHWM, inside steps too
                     "pss_median_bytes": sorted(r.get("pss_bytes") or 0 for r in rs)[len(rs) // 2],
                     "held_micro_batches": held, "saved_activation_bytes_per_mb": saved,
                     "activation_bytes": held * saved, "active_fraction": act / (act + wait) if act + wait else None,
                     "active_fraction_whole_run": a1["active_s"] / (a1["active_s"] + a1["wait_s"]),
-                    "steady_micro_batches": len(steady), "pss_runtime_bytes": runtime, "pss_weights_bytes": weights})
-        per[-1]["training_peak_bytes"] = per[-1]["pss_peak_bytes"] - runtime if runtime else None
+                    "steady_micro_batches": len(steady), "pss_runtime_bytes": runtime, "pss_weights_bytes": weights,
+                    "training_peak_bytes": pss_peak - runtime if runtime else None})
     # steady-state throughput: samples of windows >= 1 over the time between the end of window 0
     # and the end of the last window (last micro-batch's phase-2 end, over all stages)
     ends = {}
