@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from . import readout_loss
+from .base_weights import frozen_matrix
 from .config import ExportConfig
 from .marker import pipeline_marker
 
@@ -58,6 +59,10 @@ def readout_block_rows(base, layers) -> int:
     return max(1, largest // hidden)
 
 
+def _frozen_list(tensors) -> nn.ParameterList:
+    return nn.ParameterList(nn.Parameter(t, requires_grad=False) for t in tensors)
+
+
 class ChunkModel(nn.Module):
     def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, layer_offset: int = 0):
         """`layer_offset`: the global index of peft_model's first layer (0 for the whole model; the
@@ -74,9 +79,12 @@ class ChunkModel(nn.Module):
         # runtime packs a frozen weight into XNNPACK's (process-wide) workspace at each call, so
         # one [vocab, hidden] GEMM would size that workspace to the whole lm_head (250 MiB for
         # TinyLlama) where a layer needs 44 MiB. Same numbers; views, so no copy in eager.
+        # int8 base weights (base_weights.py): the blocks are int8 rows with their scales beside.
         rows = readout_block_rows(base, self.layers)
-        self.lm_head_blocks = nn.ParameterList(nn.Parameter(w, requires_grad=False)
-                                               for w in base.lm_head.weight.split(rows))
+        lm_head = frozen_matrix(base.lm_head)
+        weight, scale = lm_head if isinstance(lm_head, tuple) else (lm_head, None)
+        self.lm_head_blocks = _frozen_list(weight.split(rows))
+        self.lm_head_scales = _frozen_list(scale.split(rows)) if scale is not None else None
         S = cfg.seq_len
         self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)
 
@@ -87,6 +95,12 @@ class ChunkModel(nn.Module):
     @property
     def vocab_size(self) -> int:
         return sum(w.shape[0] for w in self.lm_head_blocks)
+
+    def readout_blocks(self) -> list:
+        """lm_head's row blocks as readout_loss takes them: fp32 tensors or (int8 rows, scales)."""
+        if self.lm_head_scales is None:
+            return list(self.lm_head_blocks)
+        return list(zip(self.lm_head_blocks, self.lm_head_scales))
 
     def run_layers(self, h, attention_mask, position_ids):
         allowed = self.causal[None, None] & (attention_mask[:, None, None, :] > 0)
@@ -105,7 +119,7 @@ class ChunkModel(nn.Module):
         with torch.no_grad():
             u_prev = self.norm(h_in.reshape(-1, d).index_select(0, loss_index))
             task, consis, grad_u = readout_loss.loss_and_grad(u, u_prev, loss_target, loss_weight, a,
-                                                              self.lm_head_blocks)
+                                                              self.readout_blocks())
         loss = readout_loss.with_gradient(a * task + (1.0 - a) * consis, u, grad_u)
         return loss, task, consis
 
@@ -165,7 +179,7 @@ class BPChunkModel(ChunkModel):
         self.is_last = is_last
         if not is_last:  # only the last stage owns the readout
             self.norm = None
-            self.lm_head_blocks = None
+            self.lm_head_blocks = self.lm_head_scales = None
         if not self.is_first:
             hidden = peft_model.base_model.model.config.hidden_size
             probe = torch.zeros(cfg.micro_batch, cfg.seq_len, hidden)
@@ -174,7 +188,7 @@ class BPChunkModel(ChunkModel):
     def global_loss(self, h, loss_index, loss_target, loss_weight):
         d = h.shape[-1]
         u = self.norm(h.reshape(-1, d).index_select(0, loss_index))
-        task, _, grad_u = readout_loss.loss_and_grad(u, None, loss_target, loss_weight, 1.0, self.lm_head_blocks)
+        task, _, grad_u = readout_loss.loss_and_grad(u, None, loss_target, loss_weight, 1.0, self.readout_blocks())
         return readout_loss.with_gradient(task, u, grad_u)
 
     def forward(self, x, attention_mask, position_ids, *tail):

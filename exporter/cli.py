@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from .chunk_spec import DEFAULT_CHUNKS
-from .config import ExportConfig
+from .config import BASE_WEIGHTS, ExportConfig
 from .errors import ExportError
 
 
@@ -29,6 +29,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="what XNNPACK runs: all (GEMMs, element-wise, transposes, norms: faster steps) or gemm "
                         "(GEMMs only: lower peak memory, slower steps); default %(default)s")
     p.add_argument("--seed", type=int, default=0, help="LoRA initialisation seed")
+    p.add_argument("--base-weights", choices=BASE_WEIGHTS, default="fp32",
+                   help="how the frozen base weights are stored: fp32, or int8 with one scale per row (a quarter of "
+                        "the weight memory on the phones; LoRA, activations and arithmetic stay fp32, each layer "
+                        "dequantizes its weights as it runs); default %(default)s")
     p.add_argument("--mode", choices=["zerolock", "bp", "both"], default="zerolock",
                    help="programs to write per chunk: zerolock (chunk_k.pte, local-loss training), bp "
                         "(chunk_k_bp.pte, a back-propagation pipeline stage for the GPipe/1F1B/PipeDream "
@@ -52,7 +56,7 @@ def config_from_args(a) -> ExportConfig:
                         target_modules=tuple(m.strip() for m in a.target_modules.split(",") if m.strip()),
                         alpha=a.alpha, seq_len=a.seq_len, micro_batch=a.micro_batch,
                         loss_positions=a.loss_positions, backend=a.backend, seed=a.seed,
-                        xnnpack_ops=a.xnnpack_ops)
+                        xnnpack_ops=a.xnnpack_ops, base_weights=a.base_weights)
 
 
 def main(argv=None) -> int:

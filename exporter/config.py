@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
+BASE_WEIGHTS = ("fp32", "int8")  # how the frozen base weights are stored (exporter/base_weights.py)
+
 
 @dataclass(frozen=True)
 class ExportConfig:
@@ -20,6 +22,9 @@ class ExportConfig:
     # "gemm" (GEMMs only: lower peak memory); see exporter/lower.py and docs/BENCHMARKS.md
     xnnpack_ops: str = "all"
     seed: int = 0  # LoRA initialisation
+    # How the frozen base weights are stored: "fp32", or "int8" rows with per-row scales
+    # (a quarter of the weight memory; see exporter/base_weights.py)
+    base_weights: str = "fp32"
     extra: dict = field(default_factory=dict)
 
     @property

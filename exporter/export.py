@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import __version__
+from .base_weights import quantize_base
 from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora, bp_example_inputs,
                           bp_input_names, example_inputs, input_names, peft_name)
 from .chunk_spec import parse_chunk_spec
@@ -128,6 +129,9 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         if model_dir is not None:
             _copy_tokenizer(model_dir, tmp / "tokenizer")
 
+        if cfg.base_weights != "fp32":
+            say(f"storing the frozen base weights as {cfg.base_weights}")
+        quantize_base(model, cfg.base_weights)
         peft_model = add_lora(model, cfg)
         results = []
         for k, (first, last) in enumerate(ranges):
@@ -182,7 +186,8 @@ def _lower_and_write(split, cfg: ExportConfig, tmp: Path, stem: str, say, k: int
     """Lower both phases into tmp/{stem}.pte with frozen weights in tmp/{stem}.ptd, plus the
     metadata methods Android's TrainingModule reads (`methods`: the manifest's description)."""
     say(f"chunk {k}: lowering {stem} ({cfg.backend})")
-    et = lower_two_phase(split, cfg.backend, stem, training_constant_methods(methods), cfg.xnnpack_ops)
+    et = lower_two_phase(split, cfg.backend, stem, training_constant_methods(methods), cfg.xnnpack_ops,
+                         gemm_per_op=cfg.base_weights != "fp32")
     (tmp / f"{stem}.pte").write_bytes(et.buffer)
     et.write_tensor_data_to_file(str(tmp))
     ptd = tmp / f"{stem}.ptd"

@@ -9,8 +9,8 @@ of the arenas). Two rewrites remove them:
   1. cancel_transpose_pairs: permute(permute(x, p), q) -> x when q undoes p (any tensor);
   2. mm_to_linear: mm(a, permute(W, [1, 0])) -> linear(a, W) and
      addmm(b, a, permute(W, [1, 0])) -> linear(a, W, b), when W is a frozen weight: a
-     parameter / buffer / constant placeholder of the method (LoRA tensors are user inputs
-     and are left alone). XNNPACK's LinearConfig consumes W in place; with no delegate,
+     parameter / buffer / constant placeholder of the method, or computed from those alone
+     (an int8 weight's fp32 cast); LoRA tensors are user inputs and are left alone. XNNPACK's LinearConfig consumes W in place; with no delegate,
      to_edge decomposes linear back into permute_copy + mm, which is what it was before.
 
 Both are exact: they only drop data movement, never reorder arithmetic. The transpose forms
@@ -57,6 +57,16 @@ def frozen_placeholders(ep: ExportedProgram) -> set:
     return {n for n in ep.graph.nodes if n.op == "placeholder" and kinds.get(n.name) in _FROZEN_KINDS}
 
 
+def weight_only_nodes(ep: ExportedProgram) -> set:
+    """Frozen placeholders and the nodes computed from them alone (an int8 weight's cast to fp32,
+    RoPE and mask tables): what does not change from one micro-batch to the next."""
+    out = frozen_placeholders(ep)
+    for n in ep.graph.nodes:  # topological: inputs are classified before their users
+        if n.op == "call_function" and all(a in out for a in n.all_input_nodes):
+            out.add(n)
+    return out
+
+
 def weight_transposes(ep: ExportedProgram) -> list:
     """Transpose-like nodes whose input is a frozen weight, or a chain of such transposes
     starting at one: what the passes are meant to remove (used by tests and reports)."""
@@ -97,9 +107,9 @@ def cancel_transpose_pairs(ep: ExportedProgram) -> int:
 
 def mm_to_linear(ep: ExportedProgram) -> int:
     """mm(a, W^T) -> linear(a, W); addmm(b, a, W^T) -> linear(a, W, b) (beta = alpha = 1, 1-D
-    bias), for a 2-D frozen weight W. Returns the number of matmuls rewritten."""
+    bias), for a 2-D frozen (or frozen-derived) weight W. Returns the number of matmuls rewritten."""
     g = ep.graph
-    frozen = frozen_placeholders(ep)
+    frozen = weight_only_nodes(ep)  # a weight, or its fp32 cast when stored as int8
     rewritten = 0
     for n in list(g.nodes):
         if n.op != "call_function" or n.target not in (aten.mm.default, aten.addmm.default):
@@ -171,6 +181,30 @@ def drop_identity_ops(ep: ExportedProgram) -> dict:
     ep.graph.lint()
     ep.graph_module.recompile()
     return stats
+
+
+def sink_weight_only_nodes(ep: ExportedProgram) -> int:
+    """Move every node computed from frozen state alone (int8 weights' casts to fp32, RoPE and
+    mask tables) to just before its first user. The split copies phase 2's recomputed nodes in
+    the joint graph's order, where the forward's come first: each fp32 cast of an int8 weight
+    would then be live from the start of phase 2 to its layer's backward, all of the chunk's
+    weights in fp32 at once in the planned arena. Order only; the values are the same. Returns
+    the number of nodes moved."""
+    weight_only = weight_only_nodes(ep)
+    order = {n: i for i, n in enumerate(ep.graph.nodes)}
+    moved = 0
+    for n in reversed(list(ep.graph.nodes)):  # users first, so a chain follows its last link
+        if n.op != "call_function" or n not in weight_only or not n.users:
+            continue
+        first_user = min(n.users, key=order.get)
+        if n.next is first_user:
+            continue
+        first_user.prepend(n)
+        moved += 1
+        order = {m: i for i, m in enumerate(ep.graph.nodes)}
+    ep.graph.lint()
+    ep.graph_module.recompile()
+    return moved
 
 
 def op_counts(ep: ExportedProgram) -> Counter:

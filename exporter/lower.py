@@ -1,11 +1,14 @@
 """Trace a chunk into the joint training graph and lower the two phases to one .pte + .ptd."""
 from __future__ import annotations
 
+import contextlib
+import logging
+
 import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
-from .graph_passes import drop_identity_ops, fold_weight_transposes
+from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes
 from .two_phase import SplitResult, strip_markers
 
 
@@ -74,7 +77,9 @@ XNNPACK_CONFIGS = {
 }
 
 
-def xnnpack_partitioner(ops: str = "all"):
+def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False) -> list:
+    """`gemm_per_op`: each GEMM its own delegate call (int8 base weights): a delegate that runs
+    several of a layer's GEMMs takes all their weights' fp32 casts as inputs, live at once."""
     # force_non_static_weights_for_f32_linear keeps frozen weights as named constants, so they
     # live in the .ptd (once, shared by both methods) rather than packed into each delegate;
     # the price is a repack of each weight per call (see docs/BENCHMARKS.md, Export).
@@ -82,16 +87,25 @@ def xnnpack_partitioner(ops: str = "all"):
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
 
     by_name = {c.__name__: c for c in ALL_PARTITIONER_CONFIGS}
-    return XnnpackPartitioner(configs=[by_name[n] for n in XNNPACK_CONFIGS[ops]],
-                              force_non_static_weights_for_f32_linear=True)
+
+    def partitioner(names, per_op=False):
+        return XnnpackPartitioner(configs=[by_name[n] for n in names], per_op_mode=per_op,
+                                  force_non_static_weights_for_f32_linear=True)
+
+    if not gemm_per_op:
+        return [partitioner(XNNPACK_CONFIGS[ops])]
+    # Applied one after the other (to_backend), not as one list: to_edge_transform_and_lower
+    # decomposes each partitioner's unclaimed ops, and the second one would split every linear.
+    rest = [n for n in XNNPACK_CONFIGS[ops] if n not in GEMM_CONFIGS]
+    return [partitioner(GEMM_CONFIGS, per_op=True)] + ([partitioner(rest)] if rest else [])
 
 
 def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_methods: dict | None = None,
-                    xnnpack_ops: str = "all"):
+                    xnnpack_ops: str = "all", gemm_per_op: bool = False):
     """Return an ExecutorchProgramManager with methods phase1 and phase2; frozen weights are
     external constants tagged `data_tag` (one .ptd for the chunk's weights + readout);
     `constant_methods` (name -> value) are added as methods that return that value;
-    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS)."""
+    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS); `gemm_per_op`: see xnnpack_partitioners."""
     if xnnpack_ops not in XNNPACK_CONFIGS:
         raise ValueError(f"unknown xnnpack_ops {xnnpack_ops!r}: use {' or '.join(XNNPACK_CONFIGS)}")
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
@@ -103,16 +117,36 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     for ep in methods.values():
         fold_weight_transposes(ep)
         drop_identity_ops(ep)
+        sink_weight_only_nodes(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
-        edge = to_edge_transform_and_lower(methods, partitioner=[xnnpack_partitioner(xnnpack_ops)], compile_config=edge_cfg,
+        first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
+        edge = to_edge_transform_and_lower(methods, partitioner=[first], compile_config=edge_cfg,
                                            constant_methods=constant_methods)
+        for p in later:
+            with _quiet_to_backend_deprecation():
+                edge = edge.to_backend(p)
     elif backend == "portable":
         edge = to_edge(methods, compile_config=edge_cfg, constant_methods=constant_methods)
     else:
         raise ValueError(f"unknown backend {backend!r}: use xnnpack or portable")
+    for name in methods:  # partitioning re-sorts the graph (breadth first): sink again after it
+        sink_weight_only_nodes(edge.exported_program(name))
     return edge.to_executorch(ExecutorchBackendConfig(external_constants=lambda node: data_tag,
                                                       memory_planning_pass=memory_plans()))
+
+
+@contextlib.contextmanager
+def _quiet_to_backend_deprecation():
+    """XNNPACK's partitioner warns that to_backend after to_edge is deprecated; here it is the
+    second step on purpose (see xnnpack_partitioners), so its warning would only confuse."""
+    log = logging.getLogger("executorch.backends.xnnpack.partition.xnnpack_partitioner")
+    drop = lambda record: "DEPRECATION WARNING" not in record.getMessage()  # noqa: E731
+    log.addFilter(drop)
+    try:
+        yield
+    finally:
+        log.removeFilter(drop)
 
 
 def memory_plans() -> dict:

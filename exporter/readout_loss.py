@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .base_weights import linear, matmul
+
 # A block's [rows, vocab] f32 logits: 4 MiB, 32 positions at TinyLlama's 32000. That keeps a
 # block's working set small while its GEMMs keep enough rows to run at full rate; a small
 # vocabulary gets more positions per block, not more blocks (each block is ~20 kernel calls).
@@ -28,17 +30,21 @@ def position_block(vocab: int) -> int:
     return max(1, BLOCK_ELEMENTS // vocab)
 
 
+def _rows(w) -> int:
+    return (w[0] if isinstance(w, tuple) else w).shape[0]
+
+
 def _logits(u, lm_head_blocks):
-    return torch.cat([F.linear(u, w) for w in lm_head_blocks], dim=-1)
+    return torch.cat([linear(u, w) for w in lm_head_blocks], dim=-1)
 
 
 def _to_hidden(g, lm_head_blocks):
     """dL/du = dL/dz @ lm_head, one lm_head block at a time (the same GEMMs autograd runs)."""
     out, start = None, 0
     for w in lm_head_blocks:
-        part = g[:, start:start + w.shape[0]] @ w
+        part = matmul(g[:, start:start + _rows(w)], w)
         out = part if out is None else out + part
-        start += w.shape[0]
+        start += _rows(w)
     return out
 
 
@@ -49,9 +55,10 @@ def loss_and_grad(u, u_prev, target, weight, alpha, lm_head_blocks, block: int |
 
     u, u_prev: [N, hidden] normed hidden states of this chunk and the previous one (u_prev None:
     no consistency term, L = task); target [N] int64; weight [N] (1 valid, 0 padding);
-    alpha: 0-d tensor; block: positions per block (default: position_block of the vocabulary).
+    alpha: 0-d tensor; lm_head_blocks: row blocks of lm_head, each an fp32 tensor or (int8 rows,
+    row scales) (base_weights); block: positions per block (default: position_block of the vocabulary).
     Returns (task, consis or None, grad_u [N, hidden])."""
-    block = block or position_block(sum(w.shape[0] for w in lm_head_blocks))
+    block = block or position_block(sum(_rows(w) for w in lm_head_blocks))
     denom = weight.sum().clamp(min=1.0)
     coef = weight / denom
     d = u.shape[1]

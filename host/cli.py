@@ -266,9 +266,10 @@ def cmd_eval(a) -> int:
     if base is None or not Path(base).is_dir():
         raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
     _, held_out = split_held_out(prepare_data(program, manifest, a.data))
-    before = evaluate(base, None, held_out)
-    after = evaluate(base, adapter, held_out)
-    print(f"held-out answer tokens: {after['tokens']}")
+    base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
+    before = evaluate(base, None, held_out, base_weights)
+    after = evaluate(base, adapter, held_out, base_weights)
+    print(f"held-out answer tokens: {after['tokens']} (base weights {base_weights}, as trained)")
     print(f"base model:    NLL {before['nll']:.4f}  accuracy {before['accuracy']:.3f}")
     print(f"with adapter:  NLL {after['nll']:.4f}  accuracy {after['accuracy']:.3f}")
     return 0

@@ -8,11 +8,16 @@ import numpy as np
 import torch
 
 
-def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict]) -> dict:
+def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict], base_weights: str = "fp32") -> dict:
+    """`base_weights`: the export's (manifest "export"): an adapter trained on an int8 base is
+    evaluated on the same int8 base."""
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
+    from exporter.base_weights import quantize_base
+
     model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    quantize_base(model, base_weights)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     nll_sum, correct, count = 0.0, 0, 0

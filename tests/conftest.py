@@ -62,6 +62,19 @@ def small_export(small_model_dir, tmp_path_factory):
     return out, manifest, artifacts, cfg
 
 
+@pytest.fixture(scope="session")
+def small_export_int8(small_model_dir, tmp_path_factory):
+    """The same small model and chunks with int8 base weights (--base-weights int8), lowered to
+    XNNPACK as phones run it: (out_dir, manifest, artifacts, cfg)."""
+    from exporter.export import export_model
+
+    cfg = small_export_config(base_weights="int8", backend="xnnpack")
+    out = tmp_path_factory.mktemp("export_int8") / "out"
+    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"),
+                                     eager_weights=True)
+    return out, manifest, artifacts, cfg
+
+
 def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int = 2, seq_len: int = 16):
     """Synthetic-task micro-batches tokenised with the export's tokenizer."""
     from transformers import AutoTokenizer

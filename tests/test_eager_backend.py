@@ -77,8 +77,14 @@ def test_manifest_lists_the_eager_weights(small_export, small_model_dir):
         assert all(torch.equal(t, source[n]) for n, t in mine.items())  # the model's own weights, bit for bit
 
 
-def test_eager_program_equals_executorch_zerolock(small_export):
-    out, manifest, _, cfg = small_export
+@pytest.fixture(params=["small_export", "small_export_int8"])
+def fp32_or_int8_export(request):
+    """The small export with fp32 base weights (portable kernels) and with int8 ones (XNNPACK)."""
+    return request.getfixturevalue(request.param)
+
+
+def test_eager_program_equals_executorch_zerolock(fp32_or_int8_export):
+    out, manifest, _, cfg = fp32_or_int8_export
     h = None
     for c in manifest["chunks"]:
         x_prog, e_prog = ChunkProgram(out, c), EagerChunkProgram(out, c)
@@ -99,9 +105,9 @@ def test_eager_program_equals_executorch_zerolock(small_export):
         h = h_x
 
 
-def test_eager_program_equals_executorch_bp(small_export):
+def test_eager_program_equals_executorch_bp(fp32_or_int8_export):
     """The BP stages as a pipeline: forwards, then backwards passing grad_h_in upstream."""
-    out, manifest, _, cfg = small_export
+    out, manifest, _, cfg = fp32_or_int8_export
     entries = [chunk_entry_for(c, "bp") for c in manifest["chunks"]]
     b = _batch(cfg, 512, seed=4)
     loras = [sample_lora(e, seed=10 + k) for k, e in enumerate(entries)]

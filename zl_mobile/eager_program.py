@@ -86,6 +86,7 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from exporter.base_weights import quantize_base
     from exporter.chunk_model import BPChunkModel, ChunkModel, lora_config
 
     conf = LlamaConfig(**hf_config)
@@ -93,6 +94,7 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
     conf._attn_implementation = "eager"  # as exported: plain attention with the chunk's additive mask
     with torch.device("meta"):  # no memory and no random init for weights that are loaded next
         base = LlamaForCausalLM(conf)
+        quantize_base(base, cfg.base_weights)  # the modules the export's weights were stored for
     tensors = {}
     for name, t in load_file(str(weights)).items():
         m = _LAYER.match(name)

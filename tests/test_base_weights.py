@@ -1,0 +1,155 @@
+"""--base-weights int8: frozen weights stored as int8 rows with per-row scales, dequantized one
+weight at a time in both phases, never held as an activation."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from exporter.base_weights import Int8Embedding, Int8Linear, quantize_base, quantize_rows
+from exporter.verify import verify_all
+from tests.conftest import small_export_config
+
+
+def test_quantize_rows_is_within_half_a_step_per_row():
+    w = torch.randn(64, 48) * torch.logspace(-3, 1, 64)[:, None]  # rows of very different ranges
+    w[5] = 0.0  # an all-zero row must not divide by zero
+    q, scale = quantize_rows(w)
+    assert q.dtype == torch.int8 and scale.shape == (64,) and torch.isfinite(scale).all()
+    assert q.abs().max() <= 127
+    err = (q.float() * scale[:, None] - w).abs()
+    assert (err <= scale[:, None] / 2 + 1e-12).all()
+    assert torch.equal(q[5], torch.zeros(48, dtype=torch.int8))
+    # each row uses its full range: the largest entry maps to +-127
+    assert (q.abs().amax(dim=1)[torch.arange(64) != 5] == 127).all()
+
+
+def test_int8_linear_backward_recomputes_the_fp32_weight_instead_of_saving_it():
+    torch.manual_seed(0)
+    lin = Int8Linear(nn.Linear(96, 80, bias=False))
+    x = torch.randn(4, 96, requires_grad=True)
+    saved = []
+
+    def keep(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        y = lin(x)
+    (y * torch.arange(80.0)).sum().backward()
+    # what autograd keeps for the backward: the int8 rows and their scales, no fp32 [80, 96] copy
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() == 80 * 96]
+    assert any(t.dtype == torch.int8 for t in saved)
+
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = F.linear(x2, lin.weight.float() * lin.weight_scale[:, None])
+    (ref * torch.arange(80.0)).sum().backward()
+    torch.testing.assert_close(y, ref)
+    torch.testing.assert_close(x.grad, x2.grad)
+
+
+def test_quantize_base_replaces_every_frozen_linear_and_the_embedding(small_model_dir):
+    from exporter.chunk_model import add_lora
+    from exporter.model_source import load_model_dir
+
+    model = load_model_dir(small_model_dir)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    ids = torch.randint(0, model.config.vocab_size, (2, 8))
+    ref = model(ids).logits
+    assert quantize_base(model, "int8") == linears + 1  # + the embedding
+    assert not any(type(m) in (nn.Linear, nn.Embedding) for m in model.modules())
+    assert isinstance(model.model.embed_tokens, Int8Embedding)
+    out = model(ids).logits
+    assert (out - ref).abs().max() < 0.05 * ref.abs().max()  # close, not equal: 8 bits per weight
+    peft_model = add_lora(model, small_export_config())  # peft wraps an Int8Linear like a Linear
+    q_proj = peft_model.base_model.model.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj.base_layer, Int8Linear) and "default" in q_proj.lora_A
+    with pytest.raises(ValueError, match="unknown base weights 'int4'"):
+        quantize_base(model, "int4")
+
+
+def test_int8_export_is_a_quarter_of_the_weights_and_matches_eager(small_export, small_export_int8):
+    from exporter.cli import _hf_config
+
+    out8, manifest8, artifacts8, cfg8 = small_export_int8
+    out32, manifest32, _, _ = small_export
+    assert manifest8["export"]["base_weights"] == "int8" and manifest32["export"]["base_weights"] == "fp32"
+    for c8, c32 in zip(manifest8["chunks"], manifest32["chunks"]):
+        ratio = (out8 / c8["weights"]).stat().st_size / (out32 / c32["weights"]).stat().st_size
+        assert 0.2 < ratio < 0.32, (c8["index"], ratio)  # int8 + one fp32 scale per row, norms in fp32
+        assert c8["bp"]["weights"] == c8["weights"]  # the BP program shares the chunk's .ptd
+    # every program (ZeroLock and BP) against the same int8 chunk in eager PyTorch
+    diffs = verify_all(out8, artifacts8, cfg8, _hf_config(manifest8), report=lambda m: None)
+    assert len(diffs) == 6
+
+
+def test_int8_training_loss_stays_close_to_fp32(small_export, small_export_int8):
+    """The quantized base computes nearly the fp32 model's local loss and LoRA gradients."""
+    from exporter.verify import sample_lora
+    from tests.test_export_bp import _batch
+    from zl_mobile.program import ChunkProgram
+
+    (out32, m32, _, cfg), (out8, m8, _, _) = small_export, small_export_int8
+    b = {**_batch(cfg, 512, seed=3), "alpha": torch.tensor([cfg.alpha])}
+    in32 = in8 = b["input_ids"]
+    for c32, c8 in zip(m32["chunks"], m8["chunks"]):
+        lora = sample_lora(c32, seed=c32["index"])
+        p32, p8 = ChunkProgram(out32, c32), ChunkProgram(out8, c8)
+        x = c32["first_input"]
+        h32, s32 = p32.phase1(lora, {**b, x: in32})
+        h8, s8 = p8.phase1(lora, {**b, x: in8})
+        r32, r8 = p32.phase2(lora, s32, {**b, x: in32}), p8.phase2(lora, s8, {**b, x: in8})
+        in32, in8 = h32, h8
+        assert r8.loss == pytest.approx(r32.loss, rel=0.02), c32["index"]
+        for n, g in r32.grads.items():
+            cos = F.cosine_similarity(r8.grads[n].flatten(), g.flatten(), dim=0)
+            assert cos > 0.95, (n, cos.item())
+
+
+def test_no_two_dequantized_weights_are_live_at_once(small_model_dir):
+    """In the lowered phases each int8 weight's fp32 cast is freed before the next one is made:
+    the arena holds one layer weight in fp32, not the chunk's (phase 2 recomputes the casts, which
+    the joint graph orders first, and XNNPACK's partitioner re-sorts the graph)."""
+    from exporter.chunk_model import ChunkModel, add_lora, example_inputs, input_names
+    from exporter.lower import joint_program, lower_two_phase
+    from exporter.model_source import load_model_dir
+    from exporter.two_phase import split_at_marker
+
+    cfg = small_export_config(base_weights="int8", backend="xnnpack")
+    model = load_model_dir(small_model_dir)
+    quantize_base(model, "int8")
+    chunk = ChunkModel(add_lora(model, cfg), 0, 2, cfg).eval()  # three layers: 21 weights + readout
+    inputs = example_inputs(chunk, cfg, model.config.vocab_size, model.config.hidden_size)
+    et = lower_two_phase(split_at_marker(joint_program(chunk, inputs), input_names(True)), "xnnpack", "w",
+                         gemm_per_op=True)
+    for method in ("phase1", "phase2"):
+        casts = [n for n in et.exported_program(method).graph.nodes
+                 if "to_dim_order_copy" in str(n.target) and n.args[0].meta["val"].dtype == torch.int8]
+        assert len(casts) >= 21, method  # every layer weight is dequantized in both phases
+        spans = sorted(n.meta["spec"].lifetime for n in casts)
+        overlapping = [(a, b) for a, b in zip(spans, spans[1:]) if b[0] <= a[1]]
+        assert not overlapping, (method, overlapping[:3])
+
+
+def test_cli_rejects_an_unknown_base_weight_format(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "exporter.cli", "--base-weights", "int4", "--out", str(tmp_path / "x")],
+                       capture_output=True, text=True)
+    assert r.returncode == 2
+    assert "--base-weights: invalid choice: 'int4'" in r.stderr and "'fp32', 'int8'" in r.stderr
+    assert not (tmp_path / "x").exists()
+
+
+def test_eval_uses_the_base_weights_the_adapter_was_trained_on(small_model_dir, small_export):
+    from host.evaluate import evaluate
+    from tests.conftest import small_micro_batches
+
+    batches = small_micro_batches(small_export[0], n_examples=4)
+    fp32 = evaluate(str(small_model_dir), None, batches)
+    int8 = evaluate(str(small_model_dir), None, batches, base_weights="int8")
+    assert int8["tokens"] == fp32["tokens"] > 0
+    assert int8["nll"] != fp32["nll"]  # the quantized base, not the fp32 one
+    assert int8["nll"] == pytest.approx(fp32["nll"], rel=0.02)
