@@ -1,0 +1,125 @@
+"""fp32 against int8 base weights on one chunk, side by side (not a test).
+
+Two exports of the same model and chunks, one with --base-weights fp32 and one with int8. For each,
+a fresh process loads chunk K's ZeroLock program (ExecuTorch, XNNPACK) and runs phase 1 + phase 2
+on the same micro-batches; the parent samples its PSS from outside (bench.common.run_sampled).
+Runs alternate fp32 / int8 `--reps` times, so machine drift hits both alike. Prints, in one run:
+step time (median over steps after the first), peak PSS, the PSS of the mapped weights (.ptd),
+and the int8 / fp32 ratios; the local loss of each export on the same batch (how far the int8
+base moves it). Results: bench/results/base_weights.json; docs/BENCHMARKS.md, "Base weights".
+
+  python bench/base_weights.py --fp32 /tmp/tl_export --int8 /tmp/tl_export_int8 --chunk 1"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.common import REPO, machine, mib, now_iso, run_sampled  # noqa: E402
+
+RESULTS = REPO / "bench" / "results"
+
+
+def worker(export: Path, chunk: int, steps: int, out: Path) -> None:
+    """Run `steps` phase 1 + phase 2 of one chunk and write the timings and losses to `out`."""
+    import torch
+
+    from exporter.manifest import load_manifest
+    from exporter.verify import sample_lora
+    from zl_mobile.program import ChunkProgram
+    from zl_mobile.telemetry import read_pss_by_backing
+
+    manifest = load_manifest(export, check_files=False)
+    entry = manifest["chunks"][chunk]
+    prog = ChunkProgram(export, entry)
+    g = torch.Generator().manual_seed(0)
+    batch = {}
+    for spec in entry["methods"]["phase1"]["inputs"] + entry["methods"]["phase2"]["inputs"]:
+        name, shape = spec["name"], spec["shape"]
+        if name in batch or name.startswith(("base_model", "saved_", "h_out")):
+            continue
+        if name == "input_ids" or name == "loss_target":
+            batch[name] = torch.randint(0, manifest["model"]["config"]["vocab_size"], shape, generator=g)
+        elif name == "attention_mask":
+            batch[name] = torch.ones(shape, dtype=torch.long)
+        elif name == "position_ids":
+            batch[name] = torch.arange(shape[1]).repeat(shape[0], 1)
+        elif name == "loss_index":
+            batch[name] = torch.arange(shape[0])
+        elif name == "loss_weight":
+            batch[name] = torch.ones(shape)
+        elif name == "alpha":
+            batch[name] = torch.tensor([0.5])
+        else:  # h_in
+            batch[name] = torch.randn(shape, generator=g)
+    lora = sample_lora(entry, seed=0)
+    times, losses = [], []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        _, saved = prog.phase1(lora, batch)
+        res = prog.phase2(lora, saved, batch)
+        times.append(time.perf_counter() - t0)
+        losses.append(res.loss)
+    weights = read_pss_by_backing().get("weights", 0)
+    out.write_text(json.dumps({"step_s": times, "loss": losses, "weights_pss": weights}))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fp32", type=Path, required=True, help="export with --base-weights fp32")
+    ap.add_argument("--int8", type=Path, required=True, help="the same export with --base-weights int8")
+    ap.add_argument("--chunk", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=4, help="steps per process (the first is not timed)")
+    ap.add_argument("--reps", type=int, default=2, help="fresh processes per variant, alternated")
+    ap.add_argument("--out", type=Path, default=RESULTS / "base_weights.json")
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        export, chunk, steps, out = a.worker
+        worker(Path(export), int(chunk), int(steps), Path(out))
+        return 0
+    import tempfile
+
+    runs = {"fp32": [], "int8": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(a.reps):
+            for variant, export in (("fp32", a.fp32), ("int8", a.int8)):
+                res = Path(tmp) / f"{variant}_{rep}.json"
+                cmd = [sys.executable, __file__, "--fp32", str(a.fp32), "--int8", str(a.int8),
+                       "--worker", str(export), str(a.chunk), str(a.steps), str(res)]
+                rc, err, samples = run_sampled(cmd, 0.01)
+                if rc != 0:
+                    print(f"{variant} worker failed ({rc}):\n{err}", file=sys.stderr)
+                    return 1
+                r = json.loads(res.read_text())
+                r["peak_pss"] = max(p for _, p in samples)
+                runs[variant].append(r)
+                print(f"rep {rep} {variant}: step {statistics.median(r['step_s'][1:]):.2f} s, "
+                      f"peak PSS {mib(r['peak_pss'])}, weights PSS {mib(r['weights_pss'])}, loss {r['loss'][-1]:.4f}",
+                      flush=True)
+
+    def summary(v):
+        rs = runs[v]
+        return {"step_s": statistics.median(t for r in rs for t in r["step_s"][1:]),
+                "peak_pss": statistics.median(r["peak_pss"] for r in rs),
+                "weights_pss": statistics.median(r["weights_pss"] for r in rs),
+                "loss": rs[0]["loss"][0]}
+
+    s = {v: summary(v) for v in runs}
+    ratios = {k: s["int8"][k] / s["fp32"][k] for k in ("step_s", "peak_pss", "weights_pss")}
+    print(f"chunk {a.chunk}: int8 / fp32  step time {ratios['step_s']:.2f}x  peak PSS {ratios['peak_pss']:.2f}x "
+          f"({mib(s['int8']['peak_pss'])} vs {mib(s['fp32']['peak_pss'])})  weights PSS {ratios['weights_pss']:.2f}x  "
+          f"loss {s['int8']['loss']:.4f} vs {s['fp32']['loss']:.4f}")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps({"when": now_iso(), "machine": machine(), "chunk": a.chunk, "steps": a.steps,
+                                 "exports": {"fp32": str(a.fp32), "int8": str(a.int8)}, "summary": s,
+                                 "ratios": ratios, "runs": runs}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
