@@ -38,28 +38,29 @@ class _Int8LinearFn(torch.autograd.Function):
         return (g * scale) @ q.to(g.dtype), None, None
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if torch.compiler.is_exporting():  # traced as plain ops; the joint graph differentiates them
-        return F.linear(x, q.to(x.dtype)) * scale
-    return _Int8LinearFn.apply(x, q, scale)
+        y = F.linear(x, q.to(x.dtype)) * scale
+    else:
+        y = _Int8LinearFn.apply(x, q, scale)
+    return y if bias is None else y + bias
 
 
 class Int8Linear(nn.Linear):
-    """A frozen, bias-free Linear as int8 rows (`weight`) and their scales (`weight_scale`).
-    An nn.Linear, so peft wraps it with LoRA like the Linear it replaces."""
+    """A frozen Linear as int8 rows (`weight`) and their scales (`weight_scale`); a bias, where
+    the model has one (Llama's attention_bias), stays fp32. An nn.Linear, so peft wraps it with
+    LoRA like the Linear it replaces."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
-        if linear.bias is not None:
-            raise ValueError("int8 base weights support bias-free Linears only (Llama has no biases)")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize_rows(linear.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
-        self.bias = None
+        self.bias = linear.bias
 
     def forward(self, x):
-        return int8_linear(x, self.weight, self.weight_scale)
+        return int8_linear(x, self.weight, self.weight_scale, self.bias)
 
 
 class Int8Embedding(nn.Embedding):

@@ -28,9 +28,10 @@ def test_quantize_rows_is_within_half_a_step_per_row():
     assert (q.abs().amax(dim=1)[torch.arange(64) != 5] == 127).all()
 
 
-def test_int8_linear_backward_recomputes_the_fp32_weight_instead_of_saving_it():
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_backward_recomputes_the_fp32_weight_instead_of_saving_it(bias):
     torch.manual_seed(0)
-    lin = Int8Linear(nn.Linear(96, 80, bias=False))
+    lin = Int8Linear(nn.Linear(96, 80, bias=bias))
     x = torch.randn(4, 96, requires_grad=True)
     saved = []
 
@@ -46,7 +47,7 @@ def test_int8_linear_backward_recomputes_the_fp32_weight_instead_of_saving_it():
     assert any(t.dtype == torch.int8 for t in saved)
 
     x2 = x.detach().clone().requires_grad_(True)
-    ref = F.linear(x2, lin.weight.float() * lin.weight_scale[:, None])
+    ref = F.linear(x2, lin.weight.float() * lin.weight_scale[:, None], lin.bias)  # the bias stays fp32
     (ref * torch.arange(80.0)).sum().backward()
     torch.testing.assert_close(y, ref)
     torch.testing.assert_close(x.grad, x2.grad)
