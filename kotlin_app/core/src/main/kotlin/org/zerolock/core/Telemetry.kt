@@ -142,7 +142,8 @@ data class TelemetryCounters(val activeS: Double, val waitS: Double, val seconds
  * micro-batch reported is left out), `phase1_s` and `phase2_s` summed over them, the step's
  * `step_s`, and `active_s`, `wait_s`, `seconds` (wall), `bytes_in`, `bytes_out` as deltas since
  * the previous window record (since [start] for the first); `rss_peak_bytes` is the highest of the
- * micro-batches' peaks and the reading taken when the window closes, left out if none was made.
+ * micro-batches' peaks and the reading taken when the window closes, left out if none was made;
+ * `memory` adds the breakdown's readings (`pss_runtime_bytes`, `pss_weights_bytes`) that were made.
  * Not thread-safe: the stage's worker thread alone uses it.
  */
 class WindowTelemetry(private val stage: Int, private val schedule: String, start: TelemetryCounters) {
@@ -174,7 +175,8 @@ class WindowTelemetry(private val stage: Int, private val schedule: String, star
      * are the counters at this moment. Null (and the mark kept) if no micro-batch of [window] was
      * added, as in zl_mobile.
      */
-    fun close(window: Long, step: Long, stepS: Double, now: TelemetryCounters, pssBytes: Long, tempC: Double?, rssPeakNow: Long?): Telemetry? {
+    fun close(window: Long, step: Long, stepS: Double, now: TelemetryCounters, pssBytes: Long, tempC: Double?, rssPeakNow: Long?,
+              memory: Map<String, Long> = emptyMap()): Telemetry? {
         val s = open.remove(window) ?: return null
         val then = mark
         mark = now
@@ -187,7 +189,7 @@ class WindowTelemetry(private val stage: Int, private val schedule: String, star
             activeS = now.activeS - then.activeS, waitS = now.waitS - then.waitS, seconds = now.seconds - then.seconds,
             bytesIn = now.bytesIn - then.bytesIn, bytesOut = now.bytesOut - then.bytesOut,
             pssBytes = pssBytes, rssPeakBytes = maxOfNullable(s.rssPeak, rssPeakNow), tempC = tempC,
-            extra = linkedMapOf("schedule" to schedule),
+            extra = LinkedHashMap<String, Any?>().apply { put("schedule", schedule); putAll(memory) },
         )
     }
 
@@ -205,6 +207,49 @@ class WindowTelemetry(private val stage: Int, private val schedule: String, star
 class ProcStats(private val dir: File = File("/proc/self")) {
     /** Proportional set size in bytes, or null. */
     fun pssBytes(): Long? = kibLine("smaps_rollup", "Pss:")
+
+    @Volatile private var runtimePss: Long? = null
+    @Volatile private var runtimeRead = false
+
+    /**
+     * The PSS at the first call, and the same value ever after: called before the first program is
+     * loaded, what the runtime itself costs (the memory breakdown's `pss_runtime_bytes`), or null.
+     */
+    @Synchronized fun runtimePssBytes(): Long? {
+        if (!runtimeRead) {
+            runtimePss = pssBytes()
+            runtimeRead = true
+        }
+        return runtimePss
+    }
+
+    /**
+     * PSS of the mapped weights files (`.ptd`), from `smaps` (as zl_mobile's read_pss_by_backing);
+     * null where `smaps` cannot be read, 0 where no weights file is mapped (a runtime that reads
+     * the weights into its heap instead).
+     */
+    fun pssWeightsBytes(): Long? = try {
+        var total = 0L
+        var weights = false
+        File(dir, "smaps").useLines { lines ->
+            for (line in lines) {
+                val head = line.trim().split(Regex("\\s+"), limit = 6)
+                if (head.isEmpty() || head[0].isEmpty()) continue
+                if (!head[0].endsWith(":")) { // a mapping's header: range perms offset dev inode [path]
+                    weights = head.size > 5 && head[5].removeSuffix(" (deleted)").trimEnd().endsWith(".ptd")
+                } else if (head[0] == "Pss:" && weights && head.size > 1) {
+                    total += head[1].toLong() * 1024
+                }
+            }
+        }
+        total
+    } catch (_: IOException) {
+        null
+    } catch (_: NumberFormatException) {
+        null
+    } catch (_: SecurityException) {
+        null
+    }
 
     /**
      * Peak RSS in bytes since the previous call (since the process started, the first time), then

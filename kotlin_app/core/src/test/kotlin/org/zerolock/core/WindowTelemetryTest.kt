@@ -93,6 +93,36 @@ class WindowTelemetryTest {
     }
 
     @Test
+    fun `ProcStats splits out the PSS of mapped weights files and keeps the runtime's PSS from its first reading`(@TempDir dir: File) {
+        File(dir, "smaps").writeText("""
+            |55d0c0000000-55d0c0001000 r--p 00000000 fd:01 1234                       /system/bin/app_process64
+            |Size:                  4 kB
+            |Pss:                   3 kB
+            |7f0000000000-7f0010000000 r--p 00000000 fd:01 99                         /data/user/0/org.zerolock/files/chunk_1.ptd
+            |Size:             262144 kB
+            |Rss:              100000 kB
+            |Pss:               90000 kB
+            |VmFlags: rd mr mw me
+            |7f0010000000-7f0010100000 rw-p 00000000 00:00 0
+            |Pss:                1000 kB
+            |7f0020000000-7f0030000000 r--p 10000000 fd:01 99                         /data/user/0/org.zerolock/files/my weights.ptd (deleted)
+            |Pss:                 500 kB
+            |7f0030000000-7f0030001000 r--p 00000000 fd:01 98                         /data/user/0/org.zerolock/files/chunk_1.pte
+            |Pss:                  40 kB
+            |""".trimMargin())
+        File(dir, "smaps_rollup").writeText("00400000-7fff [rollup]\nPss:    1500 kB\n")
+        val p = ProcStats(dir)
+        assertEquals((90000L + 500) * 1024, p.pssWeightsBytes(), "the .ptd mappings only (a path with spaces, a deleted file too)")
+        assertEquals(1500L * 1024, p.runtimePssBytes())
+        File(dir, "smaps_rollup").writeText("00400000-7fff [rollup]\nPss:    9999 kB\n")
+        assertEquals(1500L * 1024, p.runtimePssBytes(), "read once: the PSS before the first program was loaded")
+        assertEquals(9999L * 1024, p.pssBytes())
+        File(dir, "smaps").writeText("7f0010000000-7f0010100000 rw-p 00000000 00:00 0\nPss:                1000 kB\n")
+        assertEquals(0L, p.pssWeightsBytes(), "no weights file mapped")
+        assertNull(ProcStats(File(dir, "missing")).pssWeightsBytes())
+    }
+
+    @Test
     fun `ProcStats on this Linux process`() {
         assumeTrue(File("/proc/self/status").readTextOrNull()?.contains("VmHWM:") == true, "no /proc/self/status with VmHWM here")
         val peak = ProcStats.SELF.takePeakRssBytes()
@@ -122,8 +152,11 @@ class WindowTelemetryTest {
     private class ScriptedStats(private val peaks: List<Long?>) : StatsProvider {
         var samples = 0
         var peakCalls = 0
+        var weightsReads = 0
         override fun sample(): Pair<Long, Double?> = Pair(1000L + samples++, null)
         override fun takePeakRssBytes(): Long? = peaks.getOrNull(peakCalls++)
+        override fun runtimePssBytes(): Long? = 777L
+        override fun weightsPssBytes(): Long? = 4096L * ++weightsReads
     }
 
     private fun assignment(feedToken: String, w: Int) = StageAssignment(Message(MsgType.STAGE_ASSIGN, linkedMapOf(
@@ -190,6 +223,11 @@ class WindowTelemetryTest {
         assertTrue(mbs.last().toMap().let { "rss_peak_bytes" !in it && "temperature_c" !in it }, "unavailable readings are left out")
         // PSS: the reading made when the record is made (samples 0,1 = mb 0,1; 2 = window 0; ...)
         assertEquals(listOf(1002L, 1005L, 1008L), wins.map { it.pssBytes })
+        // the memory breakdown, as zl_mobile: the runtime's PSS, the weights' read once (after the first window)
+        assertEquals(listOf(777L, 777L, 777L), wins.map { it.extra["pss_runtime_bytes"] })
+        assertEquals(listOf(4096L, 4096L, 4096L), wins.map { it.extra["pss_weights_bytes"] })
+        assertEquals(1, stats.weightsReads, "smaps is read once")
+        assertTrue(mbs.none { "pss_weights_bytes" in it.toMap() }, "micro-batch records carry no breakdown")
         for (w in wins) {
             val mine = mbs.filter { it.window == w.window }
             assertEquals(W.toLong(), w.microBatches); assertEquals(W, mine.size)

@@ -1,6 +1,7 @@
 package org.zerolock.core.device
 
 import org.zerolock.core.Json
+import org.zerolock.core.ProcStats
 import org.zerolock.core.asObject
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.Handshake
@@ -32,6 +33,7 @@ class ManifestRunnerFactory(private val loadBackend: (program: File, weights: Fi
             if (!weights.isFile) reject(assignment, "${weights.name} was not pushed")
             assignment.msg.stringOrNull("weights_sha256")?.let { if (sha256(weights) != it) reject(assignment, "${weights.name} does not match weights_sha256; re-push it") }
         }
+        ProcStats.SELF.runtimePssBytes() // before the first load: the memory breakdown's "runtime"
         return ManifestChunkRunner(chunk, loadBackend(program, weights))
     }
 

@@ -74,6 +74,10 @@ fun interface StageListener {
 fun interface StatsProvider {
     fun sample(): Pair<Long, Double?>
     fun takePeakRssBytes(): Long? = ProcStats.SELF.takePeakRssBytes()
+    /** The process's PSS before its first program was loaded (ManifestRunnerFactory reads it then). */
+    fun runtimePssBytes(): Long? = ProcStats.SELF.runtimePssBytes()
+    /** PSS of the mapped weights (.ptd); read once, after the first window. */
+    fun weightsPssBytes(): Long? = ProcStats.SELF.pssWeightsBytes()
 }
 
 /**
@@ -226,7 +230,7 @@ class StageRuntime(
         val stepNs = System.nanoTime() - t0
         activeNs += stepNs
         val (pss, temp) = stats.sample()
-        windowStats.close(cw, trainer.optimizerSteps, stepNs / 1e9, counters(), pss, temp, stats.takePeakRssBytes())?.let { wt ->
+        windowStats.close(cw, trainer.optimizerSteps, stepNs / 1e9, counters(), pss, temp, stats.takePeakRssBytes(), memoryBreakdown())?.let { wt ->
             lastWindowTelemetry = wt
             listener.onWindow(wt)
             hostOut()?.write(wt.toMessage())
@@ -234,6 +238,21 @@ class StageRuntime(
         hostOut()?.write(Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf(
             "window" to cw, "step" to trainer.optimizerSteps, "sha256" to sha, "stage" to assignment.stage)))
         inbound.committed(cw, trainer.optimizerSteps, sha)
+    }
+
+    private var weightsPss: Long? = null
+    private var weightsRead = false
+
+    /** The window record's memory breakdown, as zl_mobile sends it: readings not made are left out. */
+    private fun memoryBreakdown(): Map<String, Long> {
+        if (!weightsRead) { // smaps is long: read once, after the first window (the weights are touched by then)
+            weightsPss = stats.weightsPssBytes()?.takeIf { it > 0 }
+            weightsRead = true
+        }
+        val m = LinkedHashMap<String, Long>()
+        stats.runtimePssBytes()?.let { m["pss_runtime_bytes"] = it }
+        weightsPss?.let { m["pss_weights_bytes"] = it }
+        return m
     }
 
     /** To the host as ERROR REJECTED (as zl_mobile does): a lost replay, a failed micro-batch. */
