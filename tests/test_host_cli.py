@@ -267,3 +267,19 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def test_run_and_eval_on_int8_base_weights(small_export_int8, data_file, tmp_path, capsys):
+    """zl-host run trains an int8-base export (XNNPACK, emulated phones); eval uses that base."""
+    out = small_export_int8[0]
+    run = tmp_path / "run"
+    assert main(["run", "--program", str(out), "--data", str(data_file), "--devices", "emulated:3",
+                 "--steps", "2", "--window", "2", "--lr", "2e-2", "--out", str(run)]) == 0
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in recs if r["type"] == "TELEMETRY" and r.get("kind") == "micro_batch"]
+    assert len(losses) == 3 * 4 and all(np.isfinite(losses))
+    capsys.readouterr()
+    assert main(["eval", "--program", str(out), "--adapter", str(run / "adapter"), "--data", str(data_file)]) == 0
+    text = capsys.readouterr().out
+    assert "(base weights int8, as trained)" in text and "with adapter:  NLL" in text
