@@ -10,8 +10,9 @@ of the arenas). Two rewrites remove them:
   2. mm_to_linear: mm(a, permute(W, [1, 0])) -> linear(a, W) and
      addmm(b, a, permute(W, [1, 0])) -> linear(a, W, b), when W is a frozen weight: a
      parameter / buffer / constant placeholder of the method, or computed from those alone
-     (an int8 weight's fp32 cast); LoRA tensors are user inputs and are left alone. XNNPACK's LinearConfig consumes W in place; with no delegate,
-     to_edge decomposes linear back into permute_copy + mm, which is what it was before.
+     (an int8 weight's fp32 cast); LoRA tensors are user inputs and are left alone. XNNPACK's
+     LinearConfig consumes W in place; with no delegate, to_edge decomposes linear back into
+     permute_copy + mm, which is what it was before.
 
 Both are exact: they only drop data movement, never reorder arithmetic. The transpose forms
 handled are aten.permute / aten.t / aten.transpose (and their *_copy variants); the traced
