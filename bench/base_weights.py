@@ -26,8 +26,7 @@ RESULTS = REPO / "bench" / "results"
 
 def worker(export: Path, chunk: int, steps: int, out: Path) -> None:
     """Run `steps` phase 1 + phase 2 of one chunk and write the timings and losses to `out`."""
-    import torch
-
+    from bench.export_tinyllama import _batch  # the sample micro-batch that bench times its steps on
     from exporter.manifest import load_manifest
     from exporter.verify import sample_lora
     from zl_mobile.program import ChunkProgram
@@ -36,26 +35,7 @@ def worker(export: Path, chunk: int, steps: int, out: Path) -> None:
     manifest = load_manifest(export, check_files=False)
     entry = manifest["chunks"][chunk]
     prog = ChunkProgram(export, entry)
-    g = torch.Generator().manual_seed(0)
-    batch = {}
-    for spec in entry["methods"]["phase1"]["inputs"] + entry["methods"]["phase2"]["inputs"]:
-        name, shape = spec["name"], spec["shape"]
-        if name in batch or name.startswith(("base_model", "saved_", "h_out")):
-            continue
-        if name == "input_ids" or name == "loss_target":
-            batch[name] = torch.randint(0, manifest["model"]["config"]["vocab_size"], shape, generator=g)
-        elif name == "attention_mask":
-            batch[name] = torch.ones(shape, dtype=torch.long)
-        elif name == "position_ids":
-            batch[name] = torch.arange(shape[1]).repeat(shape[0], 1)
-        elif name == "loss_index":
-            batch[name] = torch.arange(shape[0])
-        elif name == "loss_weight":
-            batch[name] = torch.ones(shape)
-        elif name == "alpha":
-            batch[name] = torch.tensor([0.5])
-        else:  # h_in
-            batch[name] = torch.randn(shape, generator=g)
+    _, batch = _batch(manifest, entry)
     lora = sample_lora(entry, seed=0)
     times, losses = [], []
     for _ in range(steps):

@@ -100,13 +100,6 @@ def quantize_base(model, base_weights: str) -> int:
     return replaced
 
 
-def frozen_matrix(module: nn.Linear):
-    """A Linear's frozen weight as readout_loss takes it: the fp32 tensor, or (int8 rows, scales)."""
-    if isinstance(module, Int8Linear):
-        return module.weight, module.weight_scale
-    return module.weight
-
-
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ W^T for a frozen W given as an fp32 tensor or (int8 rows, row scales)."""
     if isinstance(w, tuple):

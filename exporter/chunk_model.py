@@ -14,7 +14,6 @@ import torch
 import torch.nn as nn
 
 from . import readout_loss
-from .base_weights import frozen_matrix
 from .config import ExportConfig
 from .marker import pipeline_marker
 
@@ -81,9 +80,8 @@ class ChunkModel(nn.Module):
         # TinyLlama) where a layer needs 44 MiB. Same numbers; views, so no copy in eager.
         # int8 base weights (base_weights.py): the blocks are int8 rows with their scales beside.
         rows = readout_block_rows(base, self.layers)
-        lm_head = frozen_matrix(base.lm_head)
-        weight, scale = lm_head if isinstance(lm_head, tuple) else (lm_head, None)
-        self.lm_head_blocks = _frozen_list(weight.split(rows))
+        scale = getattr(base.lm_head, "weight_scale", None)  # an Int8Linear's
+        self.lm_head_blocks = _frozen_list(base.lm_head.weight.split(rows))
         self.lm_head_scales = _frozen_list(scale.split(rows)) if scale is not None else None
         S = cfg.seq_len
         self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)

@@ -189,7 +189,8 @@ def sink_weight_only_nodes(ep: ExportedProgram) -> int:
     mask tables) to just before its first user. The split copies phase 2's recomputed nodes in
     the joint graph's order, where the forward's come first: each fp32 cast of an int8 weight
     would then be live from the start of phase 2 to its layer's backward, all of the chunk's
-    weights in fp32 at once in the planned arena. Order only; the values are the same. Returns
+    weights in fp32 at once in the planned arena. Run on the edge programs after partitioning
+    (exporter/lower.py), which re-sorts the graph. Order only; the values are the same. Returns
     the number of nodes moved."""
     weight_only = weight_only_nodes(ep)
     order = {n: i for i, n in enumerate(ep.graph.nodes)}

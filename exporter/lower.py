@@ -117,7 +117,6 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     for ep in methods.values():
         fold_weight_transposes(ep)
         drop_identity_ops(ep)
-        sink_weight_only_nodes(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
@@ -130,7 +129,7 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
         edge = to_edge(methods, compile_config=edge_cfg, constant_methods=constant_methods)
     else:
         raise ValueError(f"unknown backend {backend!r}: use xnnpack or portable")
-    for name in methods:  # partitioning re-sorts the graph (breadth first): sink again after it
+    for name in methods:  # after partitioning, which re-sorts the graph (breadth first)
         sink_weight_only_nodes(edge.exported_program(name))
     return edge.to_executorch(ExecutorchBackendConfig(external_constants=lambda node: data_tag,
                                                       memory_planning_pass=memory_plans()))

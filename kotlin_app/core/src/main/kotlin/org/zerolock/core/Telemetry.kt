@@ -208,47 +208,32 @@ class ProcStats(private val dir: File = File("/proc/self")) {
     /** Proportional set size in bytes, or null. */
     fun pssBytes(): Long? = kibLine("smaps_rollup", "Pss:")
 
-    @Volatile private var runtimePss: Long? = null
-    @Volatile private var runtimeRead = false
+    private val runtimePss: Long? by lazy { pssBytes() }
 
     /**
      * The PSS at the first call, and the same value ever after: called before the first program is
      * loaded, what the runtime itself costs (the memory breakdown's `pss_runtime_bytes`), or null.
      */
-    @Synchronized fun runtimePssBytes(): Long? {
-        if (!runtimeRead) {
-            runtimePss = pssBytes()
-            runtimeRead = true
-        }
-        return runtimePss
-    }
+    fun runtimePssBytes(): Long? = runtimePss
 
     /**
      * PSS of the mapped weights files (`.ptd`), from `smaps` (as zl_mobile's read_pss_by_backing);
      * null where `smaps` cannot be read, 0 where no weights file is mapped (a runtime that reads
      * the weights into its heap instead).
      */
-    fun pssWeightsBytes(): Long? = try {
+    fun pssWeightsBytes(): Long? = readOrNull("smaps") { lines ->
         var total = 0L
         var weights = false
-        File(dir, "smaps").useLines { lines ->
-            for (line in lines) {
-                val head = line.trim().split(Regex("\\s+"), limit = 6)
-                if (head.isEmpty() || head[0].isEmpty()) continue
-                if (!head[0].endsWith(":")) { // a mapping's header: range perms offset dev inode [path]
-                    weights = head.size > 5 && head[5].removeSuffix(" (deleted)").trimEnd().endsWith(".ptd")
-                } else if (head[0] == "Pss:" && weights && head.size > 1) {
-                    total += head[1].toLong() * 1024
-                }
+        for (line in lines) {
+            val head = line.trim().split(Regex("\\s+"), limit = 6)
+            if (head[0].isEmpty()) continue
+            if (!head[0].endsWith(":")) { // a mapping's header: range perms offset dev inode [path]
+                weights = head.size > 5 && head[5].removeSuffix(" (deleted)").trimEnd().endsWith(".ptd")
+            } else if (head[0] == "Pss:" && weights && head.size > 1) {
+                total += head[1].toLong() * 1024
             }
         }
         total
-    } catch (_: IOException) {
-        null
-    } catch (_: NumberFormatException) {
-        null
-    } catch (_: SecurityException) {
-        null
     }
 
     /**
@@ -266,10 +251,13 @@ class ProcStats(private val dir: File = File("/proc/self")) {
         return peak
     }
 
-    private fun kibLine(file: String, prefix: String): Long? = try {
-        File(dir, file).useLines { lines ->
-            lines.firstOrNull { it.startsWith(prefix) }?.substring(prefix.length)?.trim()?.split(Regex("\\s+"))?.firstOrNull()?.toLong()?.times(1024)
-        }
+    private fun kibLine(file: String, prefix: String): Long? = readOrNull(file) { lines ->
+        lines.firstOrNull { it.startsWith(prefix) }?.substring(prefix.length)?.trim()?.split(Regex("\\s+"))?.firstOrNull()?.toLong()?.times(1024)
+    }
+
+    /** [parse] over the lines of [file] in [dir]; null where it cannot be read or holds no number. */
+    private fun <T> readOrNull(file: String, parse: (Sequence<String>) -> T?): T? = try {
+        File(dir, file).useLines(block = parse)
     } catch (_: IOException) {
         null
     } catch (_: NumberFormatException) {
