@@ -28,6 +28,7 @@ from .chunk_spec import parse_chunk_spec
 from .config import ExportConfig
 from .errors import OutputDirError
 from .lower import joint_program, lower_two_phase
+from .lowering_cache import PreprocessCache
 from .training_metadata import training_constant_methods
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, MODES, file_entry, ptd_contents, tensor_desc,
                        write_manifest)
@@ -182,12 +183,17 @@ def _copy_tokenizer(model_dir: Path, dest: Path) -> None:
             shutil.copy2(f, dest / f.name)
 
 
+# XNNPACK partitions already lowered, shared by every chunk and program of the process's exports
+# (the chunks are the same layers over again; lowering_cache)
+_PREPROCESSED = PreprocessCache()
+
+
 def _lower_and_write(split, cfg: ExportConfig, tmp: Path, stem: str, say, k: int, methods: dict) -> Path:
     """Lower both phases into tmp/{stem}.pte with frozen weights in tmp/{stem}.ptd, plus the
     metadata methods Android's TrainingModule reads (`methods`: the manifest's description)."""
     say(f"chunk {k}: lowering {stem} ({cfg.backend})")
     et = lower_two_phase(split, cfg.backend, stem, training_constant_methods(methods), cfg.xnnpack_ops,
-                         gemm_per_op=cfg.base_weights != "fp32")
+                         gemm_per_op=cfg.base_weights != "fp32", cache=_PREPROCESSED)
     (tmp / f"{stem}.pte").write_bytes(et.buffer)
     et.write_tensor_data_to_file(str(tmp))
     ptd = tmp / f"{stem}.ptd"

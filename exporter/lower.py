@@ -9,6 +9,7 @@ from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
 from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes
+from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
 from .two_phase import SplitResult, strip_markers
 
 
@@ -101,11 +102,12 @@ def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False) -> list:
 
 
 def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_methods: dict | None = None,
-                    xnnpack_ops: str = "all", gemm_per_op: bool = False):
+                    xnnpack_ops: str = "all", gemm_per_op: bool = False, cache: PreprocessCache | None = None):
     """Return an ExecutorchProgramManager with methods phase1 and phase2; frozen weights are
     external constants tagged `data_tag` (one .ptd for the chunk's weights + readout);
     `constant_methods` (name -> value) are added as methods that return that value;
-    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS); `gemm_per_op`: see xnnpack_partitioners."""
+    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS); `gemm_per_op`: see xnnpack_partitioners;
+    `cache`: XNNPACK partitions already lowered (lowering_cache), shared by the chunks of one export."""
     if xnnpack_ops not in XNNPACK_CONFIGS:
         raise ValueError(f"unknown xnnpack_ops {xnnpack_ops!r}: use {' or '.join(XNNPACK_CONFIGS)}")
     from executorch.exir import EdgeCompileConfig, ExecutorchBackendConfig, to_edge, to_edge_transform_and_lower
@@ -120,11 +122,12 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
-        edge = to_edge_transform_and_lower(methods, partitioner=[first], compile_config=edge_cfg,
-                                           constant_methods=constant_methods)
-        for p in later:
-            with _quiet_to_backend_deprecation():
-                edge = edge.to_backend(p)
+        with cached_xnnpack_preprocess(cache):
+            edge = to_edge_transform_and_lower(methods, partitioner=[first], compile_config=edge_cfg,
+                                               constant_methods=constant_methods)
+            for p in later:
+                with _quiet_to_backend_deprecation():
+                    edge = edge.to_backend(p)
     elif backend == "portable":
         edge = to_edge(methods, compile_config=edge_cfg, constant_methods=constant_methods)
     else:

@@ -1,0 +1,60 @@
+"""The XNNPACK partition cache (exporter/lowering_cache.py): its key tells partitions apart by
+everything but names, and an export through it still matches eager PyTorch (the XNNPACK export
+tests, tests/test_export_errors.py, run with it)."""
+import torch
+
+from exporter.lowering_cache import PreprocessCache, cached_xnnpack_preprocess, partition_key
+
+
+class Scaled(torch.nn.Module):
+    def __init__(self, name: str, weight: torch.Tensor, scale: float = 2.0):
+        super().__init__()
+        self.register_parameter(name, torch.nn.Parameter(weight, requires_grad=False))
+        self.name, self.scale = name, scale
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, getattr(self, self.name)) * self.scale
+
+
+def _key(module, shape=(2, 4)):
+    ep = torch.export.export(module, (torch.randn(*shape),), strict=False)
+    return partition_key(ep, [])
+
+
+def test_key_ignores_names_but_not_constants_shapes_or_ops():
+    w = torch.randn(3, 4)
+    same = _key(Scaled("first_layer_weight", w.clone()))
+    assert _key(Scaled("another_layer_weight", w.clone())) == same  # only the names differ
+    assert _key(Scaled("first_layer_weight", w + 1e-3)) != same       # another frozen constant
+    assert _key(Scaled("first_layer_weight", w.clone()), shape=(5, 4)) != same  # another shape
+    assert _key(Scaled("first_layer_weight", w.clone(), scale=3.0)) != same     # another scalar
+
+
+def test_an_export_reuses_lowered_partitions(small_model_dir, tmp_path):
+    """The small model's three layers give XNNPACK the same partitions three times: most are
+    lowered once and reused, and the program still matches eager PyTorch."""
+    from exporter import export
+    from exporter.verify import TOLERANCE, verify_all
+
+    from .conftest import small_export_config
+
+    cfg = small_export_config(backend="xnnpack")
+    hits, misses = export._PREPROCESSED.hits, export._PREPROCESSED.misses
+    _, artifacts = export.export_model(str(small_model_dir), "0-2", tmp_path / "out", cfg)
+    hits, misses = export._PREPROCESSED.hits - hits, export._PREPROCESSED.misses - misses
+    assert hits > 2 * misses  # layers 1 and 2 are layer 0's partitions again
+
+    class sizes:
+        vocab_size, hidden_size = artifacts[0].chunk.vocab_size, artifacts[0].chunk.norm.weight.shape[0]
+
+    for row in verify_all(tmp_path / "out", artifacts, cfg, sizes, report=lambda s: None):
+        assert row["h_out"] < TOLERANCE["h_out"] and row["loss"] < TOLERANCE["loss"] and row["grads"] < TOLERANCE["grads"]
+
+
+def test_cache_scope_restores_xnnpack_preprocess():
+    from executorch.backends.xnnpack.xnnpack_preprocess import XnnpackBackend
+
+    before = XnnpackBackend.__dict__["preprocess"]
+    with cached_xnnpack_preprocess(PreprocessCache()):
+        assert XnnpackBackend.__dict__["preprocess"] is not before
+    assert XnnpackBackend.__dict__["preprocess"] is before
