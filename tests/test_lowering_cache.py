@@ -58,3 +58,34 @@ def test_cache_scope_restores_xnnpack_preprocess():
     with cached_xnnpack_preprocess(PreprocessCache()):
         assert XnnpackBackend.__dict__["preprocess"] is not before
     assert XnnpackBackend.__dict__["preprocess"] is before
+
+
+def test_redundant_decompositions_are_skipped_and_needed_ones_run():
+    """A functional core-ATen program comes back as it is; one with a mutating op, or with an
+    op the table decomposes, is decomposed as usual."""
+    from exporter.redundant_decompositions import skip_redundant_decompositions
+
+    class Functional(torch.nn.Module):
+        def forward(self, x):
+            return torch.ops.aten.mm.default(x, x) * 2
+
+    class Mutating(torch.nn.Module):
+        def forward(self, x):
+            y = x.clone()
+            y.add_(1)
+            return y
+
+    x = torch.randn(3, 3)
+    functional = torch.export.export(Functional(), (x,), strict=False).run_decompositions({})
+    mutating = torch.export.export(Mutating(), (x,), strict=False)
+    stats = {}
+    with skip_redundant_decompositions(stats):
+        assert functional.run_decompositions({}) is functional
+        table = {torch.ops.aten.mm.default: lambda a, b: (a.unsqueeze(-1) * b.unsqueeze(0)).sum(1)}
+        decomposed = functional.run_decompositions(table)
+        assert decomposed is not functional
+        assert "aten.mm" not in str(decomposed.graph)
+        assert mutating.run_decompositions({}) is not mutating
+    assert stats == {"skipped": 1, "run": 2}
+    assert torch.export.ExportedProgram.run_decompositions.__name__ == "run_decompositions"
+    assert functional.run_decompositions({}) is not functional  # outside the block: as torch does it
