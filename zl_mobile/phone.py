@@ -59,6 +59,10 @@ def build_parser():
                         "PyTorch (needs an export made with zl-export --eager-weights; no ExecuTorch needed)")
     p.add_argument("--torch-device", default=None,
                    help="with --backend eager: cpu (default), cuda or cuda:N")
+    p.add_argument("--mem-limit", default=None,
+                   help="memory this phone may use, e.g. 600M or 1.5G: reported as its budget (HELLO "
+                        "memory_budget_bytes) and enforced (the process ends, exit 137, when its resident memory "
+                        "passes it, as a phone's low-memory killer would)")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -85,6 +89,14 @@ def main(argv=None) -> int:
             parse_token(a.token)
         except ValueError as e:  # before anything is created or written
             print(f"zl-phone: error: --token: {e}", file=sys.stderr)
+            return 2
+    limit = None
+    if a.mem_limit is not None:
+        from .memlimit import MemoryLimit, parse_size
+        try:
+            limit = MemoryLimit(parse_size(a.mem_limit), a.name)
+        except ValueError as e:
+            print(f"zl-phone: error: --mem-limit: {e}", file=sys.stderr)
             return 2
     # the backend's options (for eager, its torch device): after the affinity/thread settings, before
     # anything is written
@@ -114,7 +126,8 @@ def main(argv=None) -> int:
 
     limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
     delay = DelayLine(a.link_delay_ms / 1000) if a.link_delay_ms > 0 else None
-    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay)
+    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay,
+                    memory_limit=limit.start() if limit else None)
     adverts = []
 
     def ready(port: int) -> None:
