@@ -14,8 +14,7 @@ from rich.console import Console
 console = Console(stderr=True, soft_wrap=True)
 
 
-class CliError(Exception):
-    """A one-line error for the user."""
+from .cli_error import CliError  # noqa: E402,F401  (one class, wherever a command raises it)
 
 
 # ---------------------------------------------------------------- devices / emulate
@@ -151,6 +150,13 @@ def cmd_run(a) -> int:
                                inject_failure=parse_failures(a.inject_failure), recovery=a.recovery)
     run_dir.mkdir(parents=True, exist_ok=True)
     k = len(manifest["chunks"])
+    plan = None
+    plan_path = saved.get("plan") if a.resume else getattr(a, "plan", None)  # a resumed run keeps its stage order
+    if plan_path:
+        from .plan_cli import check_plan_export, read_plan
+        plan = check_plan_export(read_plan(Path(plan_path)), manifest, plan_path, program)
+        if devices_spec == "auto":
+            devices_spec = ",".join(plan["devices"])
 
     phones = []
     links = None
@@ -177,7 +183,14 @@ def cmd_run(a) -> int:
                           for i, p in enumerate(saved["phones"])]
             else:
                 console.print(f"starting {n} emulated phones ({how})", markup=False)
-                phones = start_phones(n, run_dir / "phones", extra_args=phone_args, network=network)
+                per_phone = None
+                if getattr(a, "mem_limit", None):
+                    from .plan_cli import check_mem_limits, emulated_phone_args, parse_list
+                    limits = parse_list(a.mem_limit, n, "memory limit", "--mem-limit")
+                    check_mem_limits(limits)
+                    per_phone = emulated_phone_args(n, limits)
+                phones = start_phones(n, run_dir / "phones", extra_args=phone_args, network=network,
+                                      per_phone_args=per_phone)
         except BaseException:
             if network is not None:
                 network.close()
@@ -204,12 +217,25 @@ def cmd_run(a) -> int:
     view = LiveView(k, settings.micro_batches, manifest["export"]["micro_batch"])
     if links is not None:
         adb_events.append(view.on_event)
+    on_event, watch = view.on_event, None
+    if plan is not None:
+        from .plan_cli import drift_watch, order_by_plan
+        watch = drift_watch(plan, a.drift_margin, settings.window_size, run_dir,
+                            lambda line: console.print(line, markup=False))
+
+        def on_event(kind, data):
+            view.on_event(kind, data)
+            watch.on_event(kind, data)
     co = None
     try:
-        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=view.on_event,
-                         link_tokens=saved.get("link_tokens") if a.resume else None, links=links)
+        if plan is not None:
+            handles = order_by_plan(handles, plan)  # the plan's phones in its stage order
+        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=on_event,
+                         link_tokens=saved.get("link_tokens") if a.resume else None, links=links,
+                         keep_order=plan is not None)
         record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
                   "settings": settings.to_json(), "link_tokens": co.link_tokens, "link": asdict(emulated_links),
+                  **({"plan": str(Path(plan_path).absolute())} if plan is not None else {}),
                   "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
                               "port": p.port, "pid": p.pid} for p in phones]}
         tmp = run_dir / "run.json.tmp"
@@ -241,6 +267,9 @@ def cmd_run(a) -> int:
                "window_size": settings.window_size, "micro_batches": settings.micro_batches, "lr": settings.lr,
                "seconds": result["seconds"], "samples_per_s": rows / result["seconds"],
                "recoveries": len(result["recoveries"]), "link_bytes": result["link_bytes"], "errors": result["errors"]}
+    if watch is not None:
+        summary["plan"] = {"file": str(Path(plan_path).absolute()), "chunks": plan["chunks"], "devices": plan["devices"],
+                           "predicted_s": [s["time_s"] for s in plan["stages"]], "drift_reports": watch.reports}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     report = write_report(run_dir, summary)
     console.print(f"adapter: {adapter_dir}  report: {report}  metrics: {run_dir / 'metrics.jsonl'}")
@@ -333,6 +362,14 @@ def build_parser():
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")
     r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]")
     r.set_defaults(func=cmd_run)
+    r.add_argument("--plan", default=None, help="a zl-host plan file: its chunks (the export must match) on its "
+                                                "phones, and a report when the stage times drift from it")
+    r.add_argument("--drift-margin", type=_positive, default=0.15,
+                   help="with --plan: report when the slowest stage is this far off the plan (0.15: 15%%)")
+    r.add_argument("--mem-limit", default=None, help="with --devices emulated:N: each phone's memory limit "
+                                                     "(zl-phone --mem-limit), one for all or A,B,...")
+    from .plan_cli import add_parsers
+    add_parsers(sub)
     v = sub.add_parser("eval", help="held-out accuracy and NLL with the trained adapter")
     v.add_argument("--program", required=True)
     v.add_argument("--adapter", required=True)
