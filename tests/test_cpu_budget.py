@@ -134,7 +134,7 @@ def test_host_removes_the_cgroup_of_a_phone_it_killed_also_in_a_network_namespac
     from host.emulate import start_phones
 
     assert netns.unavailable() is None, netns.unavailable()
-    phones = start_phones(2, tmp_path, prefix="cbk", cpu_shares=[FAST, 1.2])
+    phones = start_phones(2, tmp_path, prefix=f"cbk{os.getpid()}-", cpu_shares=[FAST, 1.2])
     try:
         with netns.ShapedNetwork(1, None) as network:
             # in a namespace `ip netns exec` hides the cgroup mounts: a launcher puts the phone in its cgroup
@@ -142,6 +142,7 @@ def test_host_removes_the_cgroup_of_a_phone_it_killed_also_in_a_network_namespac
             groups = [_group(p.proc.pid) for p in phones]
             assert all(g.exists() for g in groups)
             assert [_client_hello(p).get("cpu_share") for p in phones] == [FAST, 1.2, 0.9]
+            assert [_txt(p.name).get(b"cpu_share") for p in phones[:2]] == [b"1.5", b"1.2"]  # advertised on loopback
             assert [_quota(g) for g in groups] == [(15_000, 10_000), (12_000, 10_000), (9_000, 10_000)]
             phones[0].kill()  # SIGKILL: its parent removes the cgroup after wait()
             phones[1].stop()  # SIGTERM: the phone does
@@ -150,6 +151,20 @@ def test_host_removes_the_cgroup_of_a_phone_it_killed_also_in_a_network_namespac
     finally:
         for p in phones:
             p.stop()
+
+
+def _txt(name: str) -> dict:
+    """The mDNS TXT record of the phone advertised as `name` on loopback."""
+    from zeroconf import Zeroconf
+
+    from zl_mobile.mdns import SERVICE_TYPE
+
+    zc = Zeroconf(interfaces=["127.0.0.1"])
+    try:
+        info = zc.get_service_info(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}", timeout=5000)
+        return dict(info.properties) if info else {}
+    finally:
+        zc.close()
 
 
 def _client_hello(phone):
@@ -230,3 +245,44 @@ def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp
     assert min(a1, b1) - max(a0, b0) > 1.0, got  # measured while both computed
     assert abs(got["a"]["share"] - 0.3) <= 0.03, got
     assert abs(got["b"]["share"] - 0.4) <= 0.04, got
+
+
+def test_zl_host_run_budgets_its_phones_and_the_report_shows_it(small_export, tmp_path):
+    from host.cli import main
+    from host.data import synthetic_examples
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(16, seed=3)))
+    run = tmp_path / "run"
+    # shaped links too: the phones then run in network namespaces, where only the launcher reaches the cgroups
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data), "--devices", "emulated:3",
+                 "--cpu-share", "0.5,0.7,0.9", "--link-mbit", "80", "--steps", "2", "--window", "2",
+                 "--out", str(run)]) == 0
+    saved = json.loads((run / "run.json").read_text())
+    args = [p["args"] for p in saved["phones"]]
+    assert [a[a.index("--cpu-share") + 1] for a in args] == ["0.5", "0.7", "0.9"]
+    assert not any("--cpus" in a for a in args)  # budgeted phones are not pinned
+    share_of = {p["name"]: float(a[a.index("--cpu-share") + 1]) for p, a in zip(saved["phones"], args)}
+    hellos = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    hellos = {r["stage"]: r for r in hellos if r["type"] == "HELLO"}
+    assert sorted(hellos) == [0, 1, 2] and all(h["cpu_share"] == share_of[h["device"]] for h in hellos.values())
+    report = (run / "report.md").read_text()
+    assert "| stage | device | CPU share |" in report
+    for k, h in hellos.items():
+        assert f"| {k} | {h['device']} | {h['cpu_share']:g} |" in report
+    assert "CPU budgets (share of one core, zl-phone --cpu-share): stage 0 " in report
+    c = cpu_budget.find_controller()
+    assert not any(c.path_for(p["pid"]).exists() for p in saved["phones"])  # every cgroup gone with its phone
+
+
+def test_budgets_are_for_emulated_phones_only(one_stage_export, tmp_path, capsys):
+    from host.cli import main
+
+    from host.data import synthetic_examples
+
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(8, seed=3)))
+    assert main(["run", "--program", str(one_stage_export), "--data", str(data), "--devices", "auto",
+                 "--cpu-share", "0.5", "--out", str(tmp_path / "r")]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("zl-host: error:")]
+    assert len(err) == 1 and "--cpu-share budgets emulated phones only: use --devices emulated:N" in err[0]
