@@ -44,9 +44,11 @@ def cmd_emulate(a) -> int:
     from .emulate import start_phones
     from .devices import PHONES_HOME
 
-    phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix)
-    for p in phones:
-        print(f"{p.name}: {p.endpoint} pid {p.proc.pid}, work dir {p.workdir}")
+    shares = cpu_shares(a.cpu_share, a.n)
+    phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix, cpu_shares=shares)
+    for i, p in enumerate(phones):
+        print(f"{p.name}: {p.endpoint} pid {p.proc.pid}, work dir {p.workdir}"
+              + (f", CPU budget {shares[i]:g} of a core" if shares else ""))
     pids = " ".join(str(p.proc.pid) for p in phones)
     print(f"{a.n} emulated phone(s) running, advertised over mDNS on loopback. Stop them with: kill {pids}"
           " (or Ctrl-C here)")
@@ -59,6 +61,22 @@ def cmd_emulate(a) -> int:
         for p in phones:
             p.stop()
     return 0
+
+
+def cpu_shares(text: str | None, n: int) -> list[float] | None:
+    """--cpu-share F|F1,...,Fn for n emulated phones (None: unbudgeted); checked before anything starts."""
+    if text is None:
+        return None
+    from zl_mobile.cpu_budget import CpuBudgetError, parse_shares, unavailable
+
+    try:
+        shares = parse_shares(text, n)
+    except CpuBudgetError as e:
+        raise CliError(str(e)) from None
+    why = unavailable()
+    if why is not None:
+        raise CliError(f"--cpu-share: {why}")
+    return shares
 
 
 # ---------------------------------------------------------------- data
@@ -172,6 +190,7 @@ def cmd_run(a) -> int:
         n = int(devices_spec.split(":", 1)[1])
         if n < k:
             raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
+        shares = None if a.resume else cpu_shares(a.cpu_share, n)  # a resumed run's phones keep their arguments
         try:
             network, phone_args, how = emulated_links.open(n)
         except NetnsError as e:
@@ -184,18 +203,20 @@ def cmd_run(a) -> int:
             else:
                 console.print(f"starting {n} emulated phones ({how})", markup=False)
                 per_phone = None
-                if getattr(a, "mem_limit", None):
+                if getattr(a, "mem_limit", None):  # the phones' CPU budget or core, and their memory limit
                     from .plan_cli import check_mem_limits, emulated_phone_args, parse_list
                     limits = parse_list(a.mem_limit, n, "memory limit", "--mem-limit")
                     check_mem_limits(limits)
-                    per_phone = emulated_phone_args(n, limits)
+                    per_phone = emulated_phone_args(n, limits, shares)
                 phones = start_phones(n, run_dir / "phones", extra_args=phone_args, network=network,
-                                      per_phone_args=per_phone)
+                                      per_phone_args=per_phone, cpu_shares=shares)
         except BaseException:
             if network is not None:
                 network.close()
             raise
         handles = [p.handle() for p in phones]
+    elif a.cpu_share is not None:
+        raise CliError("--cpu-share budgets emulated phones only: use --devices emulated:N")
     elif emulated_links.mbit or emulated_links.delay_ms:
         raise CliError("--link-mbit / --link-delay-ms shape emulated phones' links only: use --devices emulated:N")
     else:
@@ -330,6 +351,9 @@ def build_parser():
     e = sub.add_parser("emulate", help="start N emulated phones (zl-phone processes)")
     e.add_argument("n", type=int)
     e.add_argument("--prefix", default="emu")
+    e.add_argument("--cpu-share", default=None, metavar="F|F1,F2,...",
+                   help="hold each phone to this share of one CPU core (one value, or one per phone), in a cgroup of "
+                        "its own (needs root and the cgroup cpu controller)")
     e.set_defaults(func=cmd_emulate)
     r = sub.add_parser("run", help="train: ZeroLock over the phones")
     r.add_argument("--program", help="zl-export output dir")
@@ -357,6 +381,9 @@ def build_parser():
                         "namespace where the machine allows it, else the transport's rate limiter)")
     r.add_argument("--link-delay-ms", type=_non_negative, default=0.0,
                    help="with --devices emulated:N: one-way latency of each phone's link")
+    r.add_argument("--cpu-share", default=None, metavar="F|F1,F2,...",
+                   help="with --devices emulated:N: hold each phone to this share of one CPU core (one value, or one "
+                        "per phone), in a cgroup of its own (needs root and the cgroup cpu controller)")
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
     r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")

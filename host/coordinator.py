@@ -185,6 +185,9 @@ class Coordinator:
             except DeviceError as e:
                 raise RunError(str(e)) from None
             self.on_event("connected", {"stage": st.k, "device": st.device.name, "hello": st.client.hello.meta})
+            # what the device said about itself (cores, CPU budget, runtime) goes into the metrics for the report
+            self.metrics.write(json.dumps({"t": time.time(), "device": st.device.name, "stage": st.k, "type": "HELLO",
+                                           **{k: v for k, v in st.client.hello.meta.items() if k != "files"}}) + "\n")
         for st in self.stages:
             self._push(st)
         for st in reversed(self.stages):  # downstream first: each needs its neighbour's data port

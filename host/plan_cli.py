@@ -35,13 +35,18 @@ def parse_list(text: str | None, n: int, what: str, flag: str) -> list[str | Non
     return items
 
 
-def emulated_phone_args(n: int, mem_limits: list[str | None]) -> "callable":
-    """zl-phone arguments for phone i: its own core where there are two or more (as
-    host.emulate.start_phones pins them) and its --mem-limit."""
+def emulated_phone_args(n: int, mem_limits: list[str | None], cpu_shares: list[float] | None = None) -> "callable":
+    """zl-phone arguments for phone i, as host.emulate.start_phones gives them (its CPU budget, else
+    its own core where there are two or more), plus its --mem-limit."""
+    from .emulate import budget_args
+
     cores = sorted(os.sched_getaffinity(0))
 
     def args(i: int) -> list[str]:
-        out = ["--cpus", str(cores[i % len(cores)]), "--threads", "1"] if len(cores) > 1 else []
+        if cpu_shares:
+            out = budget_args(cpu_shares[i])
+        else:
+            out = ["--cpus", str(cores[i % len(cores)]), "--threads", "1"] if len(cores) > 1 else []
         if mem_limits[i]:
             out += ["--mem-limit", mem_limits[i]]
         return out
@@ -103,14 +108,16 @@ def cmd_profile(a) -> int:
                 raise CliError(f"--devices {a.devices!r}: expected emulated:N with N a number") from None
             limits = parse_list(a.mem_limit, n, "memory limit", "--mem-limit")
             check_mem_limits(limits)
+            from .cli import cpu_shares
+            shares = cpu_shares(a.cpu_share, n)
             say(f"starting {n} emulated phones")
             phones = start_phones(n, out / "phones", extra_args=["--mdns", "none"],
-                                  per_phone_args=emulated_phone_args(n, limits))
+                                  per_phone_args=emulated_phone_args(n, limits, shares))
             handles = [p.handle() for p in phones]
         else:
-            if a.mem_limit:
-                raise CliError("--mem-limit sets emulated phones' limits: use --devices emulated:N (a real phone "
-                               "reports its own budget)")
+            if a.mem_limit or a.cpu_share:
+                raise CliError("--mem-limit / --cpu-share set emulated phones' limits: use --devices emulated:N (a "
+                               "real phone reports its own budget)")
             handles, links = _real_devices(a)
         profiles = []
         for h in handles:
@@ -279,6 +286,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--calibration", default=None, help="folder for the calibration programs (default OUT/calibration)")
     p.add_argument("--reps", type=int, default=4, help="measured micro-batches per calibration stage (after one warm-up)")
     p.add_argument("--mem-limit", default=None, help="with emulated:N: each phone's memory limit, one for all or A,B,...")
+    p.add_argument("--cpu-share", default=None, help="with emulated:N: each phone's share of one core, one for all or "
+                                                     "F1,F2,... (zl-phone --cpu-share)")
     p.add_argument("--tokens", default=None, help="JSON file NAME -> pairing token")
     p.add_argument("--wait", type=float, default=30.0)
     p.add_argument("--mdns", default="loopback")

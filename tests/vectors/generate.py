@@ -104,6 +104,10 @@ def valid_messages() -> list[tuple[str, str, Message]]:
                            "memory_bytes": 8 * 1024 ** 3, "capabilities": ["executorch", "xnnpack", "lora", "replay"],
                            "model": "Pixel 7a", "cores": 8, "memory_budget_bytes": 3 * 1024 ** 3,
                            "x_future_field": {"nested": [1, 2.5, None, True]}})),
+        ("hello_budgeted", "an emulated phone held to 0.45 of one core (zl-phone --cpu-share)",
+         M(MsgType.HELLO, {"name": "emu1", "protocol_version": 1, "runtime_version": "zl_mobile 0.1.0 (executorch)",
+                           "memory_bytes": 24 * 1024 ** 3, "capabilities": ["executorch", "lora", "replay"],
+                           "os": "linux-emulated", "cores": 2, "cpu_share": 0.45})),
         ("heartbeat", "heartbeat with sender clock", M(MsgType.HEARTBEAT, {"seq": 42, "time_ms": 1234567890123})),
         ("ack", "ACK of a request", M(MsgType.ACK, {"request_id": 7, "ok": True})),
         ("error", "ERROR with a request_id",
@@ -179,6 +183,8 @@ def invalid_frames() -> list[tuple[str, str, bytes, str, int]]:
     H = int(MsgType.HEARTBEAT)
     HS = int(MsgType.HIDDEN_STATE)
     hello_missing = meta_bytes({"name": "x", "protocol_version": 1, "runtime_version": "r", "memory_bytes": 1})
+    hello_share_text = meta_bytes({"name": "x", "protocol_version": 1, "runtime_version": "r", "memory_bytes": 1,
+                                   "capabilities": [], "cpu_share": "0.45"})
     hs_meta = meta_bytes({"micro_batch": 0, "window": 0})
     off = 4 + len(hs_meta) + 2
     f32 = np.array([1.0, 2.0], dtype=np.float32).tobytes()
@@ -233,6 +239,9 @@ def invalid_frames() -> list[tuple[str, str, bytes, str, int]]:
          frame(int(MsgType.HELLO), body(meta_bytes({"name": "x", "protocol_version": 1, "runtime_version": "r",
                                                     "memory_bytes": 1, "capabilities": [],
                                                     "memory_budget_bytes": -1}))), "MALFORMED", D),
+        ("hello_cpu_share_not_number", "HELLO cpu_share written as a string", frame(int(MsgType.HELLO),
+                                                                                    body(hello_share_text)),
+         "MALFORMED", D),
         ("hidden_state_without_h", "HIDDEN_STATE lacks tensor 'h'",
          hs_frame(record("x", 1, [2], f32, offset=off), 1), "MALFORMED", D),
         ("tensor_on_heartbeat", "HEARTBEAT carries a tensor",
