@@ -177,3 +177,40 @@ def test_drift_watch_reports_beyond_margin_only():
     for k, s in enumerate((0.10, 0.205)):  # still drifted by about as much: not said again
         watch.on_event("telemetry", _window(k, 3, s))
     assert len(seen) == 1
+
+
+def test_profile_fit_recovers_per_layer_and_fixed_costs(small_export):
+    """build_profile on known calibration numbers: t(n) = fixed + n x per-layer, step shared out."""
+    from host.profile import build_profile, phone_model
+
+    def run(n):
+        return {"layers": n, "phase1_s": 0.002 + n * 0.001, "phase2_s": 0.010 + n * 0.003, "step_s": 0.020 + n * 0.004,
+                "rss_peak_bytes": 300 * MiB + n * 2 * MiB, "pss_runtime_bytes": 200 * MiB,
+                "weights": {"embed": 128 * 1024, "readout": 96 * 1024, "layers": n * 150_000},
+                "saved_activation_bytes": 50_000 + n * 120_000, "link_mbit": 400.0}
+
+    hello = {"memory_bytes": 8 << 30, "memory_budget_bytes": 700 * MiB}
+    prof = build_profile("p", hello, {1: run(1), 3: run(3)}, small_export[0])
+    f = prof["fit"]
+    assert f["phase1_layer_s"] == pytest.approx(0.001) and f["phase1_fixed_s"] == pytest.approx(0.002)
+    assert f["phase2_layer_s"] == pytest.approx(0.003) and f["phase2_fixed_s"] == pytest.approx(0.010)
+    assert f["layer_bytes"] == 150_000 and f["held_layer_bytes"] == 120_000
+    assert f["act_layer_bytes"] == 2 * MiB - 150_000  # the measured slope beyond the weights
+    assert prof["budget_bytes"] == 700 * MiB and prof["link_mbit"] == 400.0
+    m = phone_model(prof, window_size=4)
+    assert m.layer_s == pytest.approx(0.001 + 0.003 + 0.004 / 4)
+    assert m.fixed_s == pytest.approx(0.002 + 0.010 + 0.020 / 4)
+    # the 1-layer stage's measured peak is what the model says a 1-layer first stage holds
+    assert m.memory_bytes(1, first=True) == 302 * MiB
+
+
+def test_export_chunks_from_a_plan_file(tmp_path):
+    from exporter.chunk_spec import chunks_from_arg
+    from exporter.errors import ChunkSpecError
+
+    assert chunks_from_arg("0-6,7-13,14-21") == "0-6,7-13,14-21"
+    (tmp_path / "spec.txt").write_text("0-3,4-21\n")
+    assert chunks_from_arg(str(tmp_path / "spec.txt")) == "0-3,4-21"
+    (tmp_path / "bad.json").write_text('{"devices": ["a"]}')
+    with pytest.raises(ChunkSpecError, match="no \"chunks\" spec"):
+        chunks_from_arg(str(tmp_path / "bad.json"))
