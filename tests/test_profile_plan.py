@@ -179,7 +179,7 @@ def test_drift_watch_reports_beyond_margin_only():
     assert len(seen) == 1
 
 
-def test_profile_fit_recovers_per_layer_and_fixed_costs(small_export):
+def test_profile_fit_recovers_per_layer_and_fixed_costs(tmp_path):
     """build_profile on known calibration numbers: t(n) = fixed + n x per-layer, step shared out."""
     from host.profile import build_profile, phone_model
 
@@ -190,7 +190,9 @@ def test_profile_fit_recovers_per_layer_and_fixed_costs(small_export):
                 "saved_activation_bytes": 50_000 + n * 120_000, "link_mbit": 400.0}
 
     hello = {"memory_bytes": 8 << 30, "memory_budget_bytes": 700 * MiB}
-    prof = build_profile("p", hello, {1: run(1), 3: run(3)}, small_export[0])
+    (tmp_path / "manifest.json").write_text(json.dumps({"export": {"seq_len": 16, "micro_batch": 2},
+                                                        "model": {"config": {"hidden_size": 64, "vocab_size": 512}}}))
+    prof = build_profile("p", hello, {1: run(1), 3: run(3)}, tmp_path)
     f = prof["fit"]
     assert f["phase1_layer_s"] == pytest.approx(0.001) and f["phase1_fixed_s"] == pytest.approx(0.002)
     assert f["phase2_layer_s"] == pytest.approx(0.003) and f["phase2_fixed_s"] == pytest.approx(0.010)
