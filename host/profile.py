@@ -233,7 +233,7 @@ def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Pat
     return {
         "format": PROFILE_FORMAT, "device": name, "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "hello": {k: hello.get(k) for k in ("runtime_version", "os", "model", "cores", "memory_bytes",
-                                            "memory_budget_bytes", "capabilities")},
+                                            "memory_budget_bytes", "cpu_share", "capabilities")},
         "budget_bytes": hello.get("memory_budget_bytes") or hello.get("memory_bytes"),
         "export": {k: manifest["export"].get(k) for k in EXPORT_KEYS},
         "model_config": {k: manifest["model"]["config"][k] for k in ("hidden_size", "vocab_size")},
