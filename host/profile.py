@@ -307,7 +307,7 @@ def load_profiles(folder: Path, names: list[str] | None = None) -> list[dict]:
 def check_matches(profiles: list[dict], export: dict) -> None:
     """Profiles measured at other settings than the run's do not predict it: refuse them."""
     for p in profiles:
-        for k in ("seq_len", "micro_batch", "backend", "base_weights"):
+        for k in ("seq_len", "micro_batch", "loss_positions", "backend", "base_weights"):
             if k in export and p["export"].get(k) != export[k]:
                 raise ProfileError(f"{p['device']}'s profile was measured at {k} {p['export'].get(k)}, the run uses "
                                    f"{export[k]}: profile again with --{k.replace('_', '-')} {export[k]}")
