@@ -33,11 +33,26 @@ GPU. `--cores-per-stage C` pins stage i to its own C cores (--cpus, --threads C)
 is the ExecuTorch programs' `saved_activation_bytes` with either backend, and PSS does not see
 GPU memory.
 
+CPU budgets (issue 18): `--cpu-share auto|none|F|F1,...` holds every phone to a share of one core
+(zl-phone --cpu-share: a cgroup each, zl_mobile/cpu_budget.py) instead of pinning it to a core, so
+three and four stages fit on a 2-core machine as slower, separate computers. `auto` (the default):
+1.8 / stages at 3 and 4 stages (0.6 / 0.45 of a core each, 1.8 cores in all, the host and links
+keep the rest), none at 2 stages (one pinned core each, as the figures in docs/BENCHMARKS.md).
+`--reps N` repeats every (method, link) N times, interleaved (rep 1 of everything, then rep 2);
+the ratios ZeroLock / baseline are also taken within each repetition, and their median, min and
+max (the spread) are printed and written (`ratio_spread`). `--layers-per-stage L` with
+--make-export sets the chunk depth (default 3 at 2 stages, 2 at 3 and 4), so a 2-stage run can
+match the per-stage work of a deeper one for bench/schedule_model.py --measured.
+
 Usage:
   python bench/pipeline.py --export DIR --make-export   # export the benchmark model first (~2 min)
   python bench/pipeline.py --export DIR [--windows 4] [--methods zerolock,gpipe,1f1b,pipedream]
         [--sweep-methods zerolock,1f1b,pipedream] [--rates none,300,100,50]
         [--stages 2|3|4] [--backend executorch|eager] [--torch-device cpu|cuda] [--cores-per-stage C]
+        [--cpu-share auto|none|F|F1,...] [--reps N] [--layers-per-stage L]
+  three stages, all four methods on every link, budgeted phones, 3 interleaved repetitions:
+  python bench/pipeline.py --export DIR3 --make-export --stages 3 --reps 3 \
+        --sweep-methods zerolock,gpipe,1f1b,pipedream --out bench/results/pipeline_3stages.json
 Results: bench/results/pipeline.json; plots bench/results/pipeline_pss.png, pipeline_link.png,
 pipeline_timeline.png (each stage's phases per method, Local link; named after --out).
 The b/m sweep and the largest b under a memory cap: bench/pipeline_sweep.py.
@@ -62,11 +77,31 @@ LINKS = {None: "Local", 300.0: "Wi-Fi", 100.0: "Mobile", 50.0: "Constrained"}
 LATENCY_MS = {None: 0.0, 300.0: 2.0, 100.0: 20.0, 50.0: 50.0}  # each named link's one-way latency
 
 
-def chunk_spec(stages: int) -> tuple[str, int]:
-    """(chunk spec, model layers) of the benchmark export for this many stages."""
-    if stages == 2:
-        return "0-2,3-5", 6  # the setting docs/BENCHMARKS.md reports
-    return ",".join(f"{2 * i}-{2 * i + 1}" for i in range(stages)), 2 * stages
+def chunk_spec(stages: int, per_stage: int | None = None) -> tuple[str, int]:
+    """(chunk spec, model layers) of the benchmark export for this many stages (`per_stage` layers
+    each; default 3 at 2 stages, the setting docs/BENCHMARKS.md reports, else 2)."""
+    per_stage = per_stage or (3 if stages == 2 else 2)
+    return ",".join(f"{per_stage * i}-{per_stage * i + per_stage - 1}" for i in range(stages)), per_stage * stages
+
+
+def cpu_shares(text: str, stages: int) -> list[float] | None:
+    """--cpu-share: None (unbudgeted, pinned) or one share of a core per stage. ValueError (one line)."""
+    from zl_mobile.cpu_budget import CpuBudgetError, parse_shares, unavailable
+
+    if text == "none" or (text == "auto" and stages < 3):
+        return None
+    try:
+        shares = [round(1.8 / stages, 3)] * stages if text == "auto" else parse_shares(text, stages)
+    except CpuBudgetError as e:
+        raise ValueError(str(e)) from None
+    why = unavailable()
+    if why is not None:
+        raise ValueError(f"--cpu-share {text}: {why} (--cpu-share none runs {stages} stages on pinned, shared cores)")
+    cores = len(os.sched_getaffinity(0))
+    if sum(shares) > cores:
+        raise ValueError(f"--cpu-share {text}: the shares add up to {sum(shares):g} cores, more than the {cores} here; "
+                         f"give at most {cores - 0.2:g} in all, so the host and the links keep some")
+    return shares
 
 
 def stage_cores(i: int, per_stage: int, cores: list[int]) -> list[int]:
@@ -75,7 +110,8 @@ def stage_cores(i: int, per_stage: int, cores: list[int]) -> list[int]:
 
 
 def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, watchdog_s: float = 180.0,
-             phone_args=(), cores_per_stage: int = 1, links: str = "limiter", delay_ms: float = 0.0):
+             phone_args=(), cores_per_stage: int = 1, links: str = "limiter", delay_ms: float = 0.0,
+             shares: list[float] | None = None):
     """One run. PipeDream's schedule (no flush) runs the next window's warm-up forwards before the
     last backwards of a window, so on the run's last window stage k waits for num_stages-1-k
     inputs that the coordinator never feeds (it feeds windows x window_size) and the run hangs.
@@ -94,8 +130,12 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     cores = sorted(os.sched_getaffinity(0))
 
     def args(i):
-        mine = stage_cores(i, cores_per_stage, cores)
-        a = ["--cpus", ",".join(map(str, mine)), "--threads", str(len(mine)), *phone_args]
+        if shares:  # a budget of its own instead of cores of its own (host/emulate.py: budget_args)
+            from host.emulate import budget_args
+            a = [*budget_args(shares[i]), *phone_args]
+        else:
+            mine = stage_cores(i, cores_per_stage, cores)
+            a = ["--cpus", ",".join(map(str, mine)), "--threads", str(len(mine)), *phone_args]
         return (a + (["--rate-mbit", str(rate)] if rate and links == "limiter" else [])
                 + (["--link-delay-ms", f"{delay_ms:g}"] if delay_ms else []))
 
@@ -181,6 +221,7 @@ def merge(reps: list) -> dict:
     for key in ("throughput_sps", "active_fraction_mean", "steady_s", "run_seconds", "link_bytes"):
         out[key] = statistics.median(r[key] for r in reps)
     out["throughput_sps_all"] = [r["throughput_sps"] for r in reps]
+    out["throughput_sps_min"], out["throughput_sps_max"] = min(out["throughput_sps_all"]), max(out["throughput_sps_all"])
     out["pss_peak_mean"] = statistics.median(r["pss_peak_mean"] for r in reps)
     out["pss_peak_max"] = max(r["pss_peak_max"] for r in reps)
     per = []
@@ -201,6 +242,26 @@ def merge(reps: list) -> dict:
     out["act_mean"] = sum(p["activation_bytes"] for p in per) / len(per)
     out["act_max"] = max(p["activation_bytes"] for p in per)
     out["reps"] = len(reps)
+    return out
+
+
+def ratio_spread(raw_runs: list, baselines, rates) -> dict:
+    """ZeroLock / baseline throughput within each repetition (the two runs of one rep are
+    neighbours in the interleaved order), per baseline and link: median, min, max, every value."""
+    import statistics
+
+    out = {}
+    for m in baselines:
+        for rate in rates:
+            vals = []
+            for rep in sorted({r["rep"] for r in raw_runs}):
+                z = next((r for r in raw_runs if (r["method"], r["rate_mbit"], r["rep"]) == ("zerolock", rate, rep)), None)
+                b = next((r for r in raw_runs if (r["method"], r["rate_mbit"], r["rep"]) == (m, rate, rep)), None)
+                if z and b and z["throughput_sps"] and b["throughput_sps"]:
+                    vals.append(z["throughput_sps"] / b["throughput_sps"])
+            if vals:
+                out.setdefault(m, {})[str(rate)] = {"median": statistics.median(vals), "min": min(vals),
+                                                    "max": max(vals), "n": len(vals), "all": vals}
     return out
 
 
@@ -318,6 +379,11 @@ def main(argv=None) -> int:
                     help="what every phone runs its chunk on (zl-phone --backend)")
     ap.add_argument("--torch-device", default=None, help="with --backend eager: cpu (default) or cuda")
     ap.add_argument("--cores-per-stage", type=int, default=1, help="CPU cores pinned to each stage (its threads)")
+    ap.add_argument("--cpu-share", default="auto",
+                    help="hold every phone to a share of one core (zl-phone --cpu-share) instead of pinning it: "
+                         "F (each), F1,... (one per stage), none, or auto (1.8 / stages at 3 and 4 stages, none at 2)")
+    ap.add_argument("--layers-per-stage", type=int, default=None,
+                    help="with --make-export: layers per chunk (default 3 at 2 stages, 2 at 3 and 4)")
     ap.add_argument("--max-seconds", type=float, default=180.0, help="give up on a run after this long")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/pipeline.json")
     a = ap.parse_args(argv)
@@ -346,7 +412,7 @@ def main(argv=None) -> int:
 
     if a.make_export:
         from recovery import make_export
-        spec, layers = chunk_spec(a.stages or 2)
+        spec, layers = chunk_spec(a.stages or 2, a.layers_per_stage)
         make_export(a.export, spec, micro_batch=2, modes=("zerolock", "bp"), eager_weights=True, num_layers=layers)
     man = load_manifest(a.export)
     ecfg = man["export"]
@@ -360,7 +426,16 @@ def main(argv=None) -> int:
                  "(or zl-export --eager-weights)")
     phone_args = ["--backend", a.backend] + (["--torch-device", a.torch_device] if a.torch_device else [])
     n_cores = len(os.sched_getaffinity(0))
-    if len(chunks) * a.cores_per_stage > n_cores:
+    try:
+        shares = cpu_shares(a.cpu_share, len(chunks))
+    except ValueError as e:
+        ap.error(str(e))
+    if shares and a.cores_per_stage != 1:
+        ap.error("--cores-per-stage pins phones; with --cpu-share a phone's budget is what it gets: give one of them")
+    if shares and sum(shares) > n_cores - 0.2 + 1e-9:
+        print(f"warning: the CPU shares add up to {sum(shares):g} of {n_cores} cores: the host and the links have "
+              "less than 0.2 of a core", flush=True)
+    if not shares and len(chunks) * a.cores_per_stage > n_cores:
         print(f"warning: {len(chunks)} stages x {a.cores_per_stage} cores > {n_cores} cores here: stages share cores",
               flush=True)
     methods = a.methods.split(",")
@@ -373,11 +448,13 @@ def main(argv=None) -> int:
     delay_of = dict(zip(rates, delays))
     mbs = bench_micro_batches(a.export, a.windows * a.window_size, mb_size, seq)
     stamp = time.strftime("%H%M%S")
+    placement = (f"CPU budgets {', '.join(f'{x:g}' for x in shares)} of a core (unpinned)" if shares
+                 else f"{a.cores_per_stage} core(s) per stage")
     print(f"{len(chunks)} stages, backend {a.backend}{' on ' + a.torch_device if a.torch_device else ''}, "
-          f"{a.cores_per_stage} core(s) per stage, links shaped by {links}", flush=True)
+          f"{placement}, links shaped by {links}", flush=True)
     runs = []
-    for rate, m in [(r, m) for _ in range(a.reps) for r in rates
-                    for m in (methods if r is None else [x for x in methods if x in sweep])]:
+    for rep, rate, m in [(i, r, m) for i in range(a.reps) for r in rates
+                         for m in (methods if r is None else [x for x in methods if x in sweep])]:
         if True:
             settings = RunSettings(windows=a.windows, window_size=a.window_size, inflight_depth=a.inflight_depth,
                                    lr=2e-3, schedule=m)
@@ -385,14 +462,14 @@ def main(argv=None) -> int:
             try:
                 res, recs = run_once(a.export, a.work / f"{stamp}-{time.time_ns()}-{m}-{rate}", settings, mbs,
                                      len(chunks), rate, phone_args=phone_args, cores_per_stage=a.cores_per_stage,
-                                     watchdog_s=a.max_seconds, links=links, delay_ms=delay_of[rate])
+                                     watchdog_s=a.max_seconds, links=links, delay_ms=delay_of[rate], shares=shares)
             except Exception as e:
                 print(f"[{m} @ {rate}] FAILED: {e}", flush=True)
                 continue
             s = analyse(res, recs, chunks, m, a.window_size, mb_size, a.windows)
-            s.update(method=m, rate_mbit=rate, delay_ms=delay_of[rate], link=LINKS.get(rate, f"{rate} Mbit/s"))
+            s.update(method=m, rate_mbit=rate, delay_ms=delay_of[rate], link=LINKS.get(rate, f"{rate} Mbit/s"), rep=rep)
             runs.append(s)
-            print(f"[{m} @ {s['link']}] {time.time() - t:.1f} s: {s['throughput_sps']:.2f} samples/s, "
+            print(f"[{m} @ {s['link']}, rep {rep + 1}/{a.reps}] {time.time() - t:.1f} s: {s['throughput_sps']:.2f} samples/s, "
                   f"PSS peak mean/max {s['pss_peak_mean'] / MiB:.0f}/{s['pss_peak_max'] / MiB:.0f} MiB, "
                   f"acts mean/max {s['act_mean'] / MiB:.1f}/{s['act_max'] / MiB:.1f} MiB, "
                   f"active {s['active_fraction_mean']:.2f}, held {[p['held_micro_batches'] for p in s['per_stage']]}",
@@ -464,6 +541,14 @@ def main(argv=None) -> int:
                 f"{get('zerolock', r)['throughput_sps'] / get(m, r)['throughput_sps']:.2f}x"
                 if get("zerolock", r) and get(m, r) else "-" for r in rates) + " |")
 
+    spread = ratio_spread(raw_runs, [m for m in sweep if m != "zerolock"] + [m for m in methods if m not in sweep],
+                          rates)
+    if a.reps > 1:
+        print("\nZeroLock / baseline throughput within each repetition: median (min-max over reps):")
+        for m, by_rate in spread.items():
+            print(f"  vs {m}: " + ", ".join(f"{LINKS.get(r, str(r))} {v['median']:.2f}x ({v['min']:.2f}-{v['max']:.2f}, "
+                                           f"{v['n']} reps)" for r, v in ((r, by_rate.get(str(r))) for r in rates) if v))
+
     out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
            "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in chunks],
            "saved_activation_bytes": {"zerolock": [c["saved_activation_bytes"] for c in chunks],
@@ -471,9 +556,12 @@ def main(argv=None) -> int:
            "settings": {"windows": a.windows, "window_size": a.window_size, "micro_batch": mb_size, "seq_len": seq,
                         "b_samples_per_step": a.window_size * mb_size, "m_micro_batches_per_step": a.window_size,
                         "inflight_depth": a.inflight_depth, "stages": len(chunks), "backend": a.backend,
-                        "torch_device": a.torch_device, "cores_per_stage": a.cores_per_stage, "links": links, "delays_ms": delays,
-                        "phones": f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}"},
-           "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios, "throughput_vs_link": sweep_tab,
+                        "torch_device": a.torch_device, "cores_per_stage": None if shares else a.cores_per_stage,
+                        "links": links, "delays_ms": delays, "cpu_shares": shares,
+                        "phones": (f"unpinned, each held to its CPU share (zl-phone --cpu-share), --threads 1"
+                                   if shares else f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}")},
+           "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios,
+           "ratio_spread": spread, "throughput_vs_link": sweep_tab,
            "rates_mbit": rates, "plots": []}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1, default=str))  # before the plots: a plotting error loses no run

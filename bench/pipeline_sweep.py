@@ -5,7 +5,8 @@ b = samples per optimizer step = micro-batch size x m (micro-batches per step, t
 micro-batch size is fixed when a program is exported, so each size gets its own export of the
 pipeline benchmark's model (bench/recovery.py: make_export, ZeroLock + BP programs; cached in
 --export-root). Every (micro-batch, m, method) runs once on the same emulated phones, runtime and
-links as bench/pipeline.py (its run_once/analyse), one phone pinned per core.
+links as bench/pipeline.py (its run_once/analyse), one phone pinned per core, or at 3 and 4 stages
+every phone held to its CPU share (--cpu-share, as bench/pipeline.py).
 
 Per configuration: peak PSS (max over stages), activation memory, throughput, and ZeroLock's
 ratios to each baseline. "Fits under the cap" = the configuration's peak PSS (max over stages)
@@ -25,7 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import MiB, REPO, bench_micro_batches, machine, now_iso  # noqa: E402
-from pipeline import analyse, chunk_spec, run_once, save_figure  # noqa: E402
+from pipeline import analyse, chunk_spec, cpu_shares, run_once, save_figure  # noqa: E402
 
 METHODS = ("zerolock", "gpipe", "1f1b", "pipedream")
 
@@ -82,6 +83,9 @@ def main(argv=None) -> int:
     ap.add_argument("--window-sizes", default="2,4,8", help="m values: micro-batches per optimizer step")
     ap.add_argument("--windows", type=int, default=3, help="windows per run (throughput: all after the first)")
     ap.add_argument("--stages", type=int, choices=[2, 3, 4], default=2)
+    ap.add_argument("--cpu-share", default="auto",
+                    help="as bench/pipeline.py: every phone held to a share of one core (F, F1,..., none, or auto: "
+                         "1.8 / stages at 3 and 4 stages, none at 2)")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--mem-cap", type=float, default=360.0, help="memory cap per stage, MiB of peak PSS")
     ap.add_argument("--max-seconds", type=float, default=240.0)
@@ -98,6 +102,10 @@ def main(argv=None) -> int:
     unknown = set(methods) - set(METHODS)
     if unknown:
         ap.error(f"unknown method(s) {sorted(unknown)}: use {', '.join(METHODS)}")
+    try:
+        shares = cpu_shares(a.cpu_share, a.stages)
+    except ValueError as e:
+        ap.error(str(e))
     rows = []
     t0 = time.time()
     for mb in (int(x) for x in a.micro_batches.split(",")):
@@ -111,7 +119,7 @@ def main(argv=None) -> int:
                                        lr=2e-3, schedule=method)
                 try:
                     res, recs = run_once(export, a.work / f"{time.time_ns()}-{method}", settings, mbs, len(chunks),
-                                         None, watchdog_s=a.max_seconds)
+                                         None, watchdog_s=a.max_seconds, shares=shares)
                 except Exception as e:
                     print(f"[{method} micro-batch {mb} m={m}] FAILED: {e}", flush=True)
                     continue
@@ -155,7 +163,7 @@ def main(argv=None) -> int:
     a.out.parent.mkdir(parents=True, exist_ok=True)
     pic = plot(rows, cap, a.out.with_suffix(".png"))
     a.out.write_text(json.dumps({"date": now_iso(), "machine": machine(), "stages": a.stages, "windows": a.windows,
-                                 "mem_cap_mib": a.mem_cap, "largest_b_within_cap": fit, "rows": rows,
+                                 "cpu_shares": shares, "mem_cap_mib": a.mem_cap, "largest_b_within_cap": fit, "rows": rows,
                                  "ratios_zerolock_over_baseline": ratios, "plot": pic}, indent=1, default=str))
     print(f"wrote {a.out} and {pic}")
     return 0

@@ -36,3 +36,24 @@ def parse_chunk_spec(spec: str, num_layers: int) -> list[tuple[int, int]]:
     if expected != num_layers:
         raise ChunkSpecError(f"chunk spec {spec!r} leaves layers {expected}-{num_layers - 1} uncovered: {hint}")
     return [(lo, hi) for lo, hi, _ in ranges]
+
+
+def chunks_from_arg(arg: str) -> str:
+    """--chunks: a spec, or a file holding one: a zl-host plan (JSON with "chunks") or the spec as text."""
+    import json
+    from pathlib import Path
+
+    p = Path(arg)
+    if not arg or not p.is_file():
+        return arg
+    text = p.read_text().strip()
+    if text.startswith("{"):
+        try:
+            spec = json.loads(text).get("chunks")
+        except json.JSONDecodeError as e:
+            raise ChunkSpecError(f"--chunks {arg}: not valid JSON ({e.msg}); give a zl-host plan file or a spec "
+                                 "like 0-6,7-13,14-21") from None
+        if not isinstance(spec, str):
+            raise ChunkSpecError(f"--chunks {arg}: the file has no \"chunks\" spec; write it with zl-host plan --out")
+        return spec
+    return text

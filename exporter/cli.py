@@ -14,7 +14,8 @@ from .errors import ExportError
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zl-export", description=__doc__)
     p.add_argument("--model", default="tiny", help="local Hugging Face Llama directory, or 'tiny' (built-in 22-layer model)")
-    p.add_argument("--chunks", default=DEFAULT_CHUNKS, help="inclusive layer ranges, one per device (default %(default)s)")
+    p.add_argument("--chunks", default=DEFAULT_CHUNKS, help="inclusive layer ranges, one per device (default %(default)s), or a file holding them: "
+                        "a zl-host plan (zl-host plan --out plan.json)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--lora-alpha", type=float, default=16.0, help="LoRA scaling (peft lora_alpha; scale = alpha/rank)")
@@ -76,7 +77,9 @@ def main(argv=None) -> int:
             console.print(f"[dim]{time.time() - t0:6.1f}s[/] {msg}")
 
         modes = ("zerolock", "bp") if args.mode == "both" else (args.mode,)
-        manifest, artifacts = export_model(args.model, args.chunks, args.out, cfg, progress=progress, modes=modes,
+        from .chunk_spec import chunks_from_arg
+
+        manifest, artifacts = export_model(args.model, chunks_from_arg(args.chunks), args.out, cfg, progress=progress, modes=modes,
                                            eager_weights=args.eager_weights)
         sizes = {f["path"]: f["size"] for f in manifest["files"]}
         for c in manifest["chunks"]:

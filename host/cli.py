@@ -14,8 +14,7 @@ from rich.console import Console
 console = Console(stderr=True, soft_wrap=True)
 
 
-class CliError(Exception):
-    """A one-line error for the user."""
+from .cli_error import CliError  # noqa: E402,F401  (one class, wherever a command raises it)
 
 
 # ---------------------------------------------------------------- devices / emulate
@@ -45,9 +44,11 @@ def cmd_emulate(a) -> int:
     from .emulate import start_phones
     from .devices import PHONES_HOME
 
-    phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix)
-    for p in phones:
-        print(f"{p.name}: {p.endpoint} pid {p.proc.pid}, work dir {p.workdir}")
+    shares = cpu_shares(a.cpu_share, a.n)
+    phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix, cpu_shares=shares)
+    for i, p in enumerate(phones):
+        print(f"{p.name}: {p.endpoint} pid {p.proc.pid}, work dir {p.workdir}"
+              + (f", CPU budget {shares[i]:g} of a core" if shares else ""))
     pids = " ".join(str(p.proc.pid) for p in phones)
     print(f"{a.n} emulated phone(s) running, advertised over mDNS on loopback. Stop them with: kill {pids}"
           " (or Ctrl-C here)")
@@ -60,6 +61,22 @@ def cmd_emulate(a) -> int:
         for p in phones:
             p.stop()
     return 0
+
+
+def cpu_shares(text: str | None, n: int) -> list[float] | None:
+    """--cpu-share F|F1,...,Fn for n emulated phones (None: unbudgeted); checked before anything starts."""
+    if text is None:
+        return None
+    from zl_mobile.cpu_budget import CpuBudgetError, parse_shares, unavailable
+
+    try:
+        shares = parse_shares(text, n)
+    except CpuBudgetError as e:
+        raise CliError(str(e)) from None
+    why = unavailable()
+    if why is not None:
+        raise CliError(f"--cpu-share: {why}")
+    return shares
 
 
 # ---------------------------------------------------------------- data
@@ -151,6 +168,13 @@ def cmd_run(a) -> int:
                                inject_failure=parse_failures(a.inject_failure), recovery=a.recovery)
     run_dir.mkdir(parents=True, exist_ok=True)
     k = len(manifest["chunks"])
+    plan = None
+    plan_path = saved.get("plan") if a.resume else getattr(a, "plan", None)  # a resumed run keeps its stage order
+    if plan_path:
+        from .plan_cli import check_plan_export, read_plan
+        plan = check_plan_export(read_plan(Path(plan_path)), manifest, plan_path, program)
+        if devices_spec == "auto":
+            devices_spec = ",".join(plan["devices"])
 
     phones = []
     links = None
@@ -166,6 +190,7 @@ def cmd_run(a) -> int:
         n = int(devices_spec.split(":", 1)[1])
         if n < k:
             raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
+        shares = None if a.resume else cpu_shares(a.cpu_share, n)  # a resumed run's phones keep their arguments
         try:
             network, phone_args, how = emulated_links.open(n)
         except NetnsError as e:
@@ -177,12 +202,21 @@ def cmd_run(a) -> int:
                           for i, p in enumerate(saved["phones"])]
             else:
                 console.print(f"starting {n} emulated phones ({how})", markup=False)
-                phones = start_phones(n, run_dir / "phones", extra_args=phone_args, network=network)
+                per_phone = None
+                if getattr(a, "mem_limit", None):  # the phones' CPU budget or core, and their memory limit
+                    from .plan_cli import check_mem_limits, emulated_phone_args, parse_list
+                    limits = parse_list(a.mem_limit, n, "memory limit", "--mem-limit")
+                    check_mem_limits(limits)
+                    per_phone = emulated_phone_args(n, limits, shares)
+                phones = start_phones(n, run_dir / "phones", extra_args=phone_args, network=network,
+                                      per_phone_args=per_phone, cpu_shares=shares)
         except BaseException:
             if network is not None:
                 network.close()
             raise
         handles = [p.handle() for p in phones]
+    elif a.cpu_share is not None:
+        raise CliError("--cpu-share budgets emulated phones only: use --devices emulated:N")
     elif emulated_links.mbit or emulated_links.delay_ms:
         raise CliError("--link-mbit / --link-delay-ms shape emulated phones' links only: use --devices emulated:N")
     else:
@@ -204,12 +238,25 @@ def cmd_run(a) -> int:
     view = LiveView(k, settings.micro_batches, manifest["export"]["micro_batch"])
     if links is not None:
         adb_events.append(view.on_event)
+    on_event, watch = view.on_event, None
+    if plan is not None:
+        from .plan_cli import drift_watch, order_by_plan
+        watch = drift_watch(plan, a.drift_margin, settings.window_size, run_dir,
+                            lambda line: console.print(line, markup=False))
+
+        def on_event(kind, data):
+            view.on_event(kind, data)
+            watch.on_event(kind, data)
     co = None
     try:
-        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=view.on_event,
-                         link_tokens=saved.get("link_tokens") if a.resume else None, links=links)
+        if plan is not None:
+            handles = order_by_plan(handles, plan)  # the plan's phones in its stage order
+        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=on_event,
+                         link_tokens=saved.get("link_tokens") if a.resume else None, links=links,
+                         keep_order=plan is not None)
         record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
                   "settings": settings.to_json(), "link_tokens": co.link_tokens, "link": asdict(emulated_links),
+                  **({"plan": str(Path(plan_path).absolute())} if plan is not None else {}),
                   "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
                               "port": p.port, "pid": p.pid} for p in phones]}
         tmp = run_dir / "run.json.tmp"
@@ -241,6 +288,9 @@ def cmd_run(a) -> int:
                "window_size": settings.window_size, "micro_batches": settings.micro_batches, "lr": settings.lr,
                "seconds": result["seconds"], "samples_per_s": rows / result["seconds"],
                "recoveries": len(result["recoveries"]), "link_bytes": result["link_bytes"], "errors": result["errors"]}
+    if watch is not None:
+        summary["plan"] = {"file": str(Path(plan_path).absolute()), "chunks": plan["chunks"], "devices": plan["devices"],
+                           "predicted_s": [s["time_s"] for s in plan["stages"]], "drift_reports": watch.reports}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     report = write_report(run_dir, summary)
     console.print(f"adapter: {adapter_dir}  report: {report}  metrics: {run_dir / 'metrics.jsonl'}")
@@ -301,6 +351,9 @@ def build_parser():
     e = sub.add_parser("emulate", help="start N emulated phones (zl-phone processes)")
     e.add_argument("n", type=int)
     e.add_argument("--prefix", default="emu")
+    e.add_argument("--cpu-share", default=None, metavar="F|F1,F2,...",
+                   help="hold each phone to this share of one CPU core (one value, or one per phone), in a cgroup of "
+                        "its own (needs root and the cgroup cpu controller)")
     e.set_defaults(func=cmd_emulate)
     r = sub.add_parser("run", help="train: ZeroLock over the phones")
     r.add_argument("--program", help="zl-export output dir")
@@ -328,11 +381,22 @@ def build_parser():
                         "namespace where the machine allows it, else the transport's rate limiter)")
     r.add_argument("--link-delay-ms", type=_non_negative, default=0.0,
                    help="with --devices emulated:N: one-way latency of each phone's link")
+    r.add_argument("--cpu-share", default=None, metavar="F|F1,F2,...",
+                   help="with --devices emulated:N: hold each phone to this share of one CPU core (one value, or one "
+                        "per phone), in a cgroup of its own (needs root and the cgroup cpu controller)")
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
     r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")
     r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]")
     r.set_defaults(func=cmd_run)
+    r.add_argument("--plan", default=None, help="a zl-host plan file: its chunks (the export must match) on its "
+                                                "phones, and a report when the stage times drift from it")
+    r.add_argument("--drift-margin", type=_positive, default=0.15,
+                   help="with --plan: report when the slowest stage is this far off the plan (0.15: 15%%)")
+    r.add_argument("--mem-limit", default=None, help="with --devices emulated:N: each phone's memory limit "
+                                                     "(zl-phone --mem-limit), one for all or A,B,...")
+    from .plan_cli import add_parsers
+    add_parsers(sub)
     v = sub.add_parser("eval", help="held-out accuracy and NLL with the trained adapter")
     v.add_argument("--program", required=True)
     v.add_argument("--adapter", required=True)

@@ -56,7 +56,7 @@ class StageState:
 class Coordinator:
     def __init__(self, export_dir: Path, devices: list[DeviceHandle], micro_batches: list[dict],
                  settings: RunSettings, run_dir: Path, run_id: str | None = None, on_event=None,
-                 link_tokens: list[str] | None = None, links=None):
+                 link_tokens: list[str] | None = None, links=None, keep_order: bool = False):
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
         self.chunks = self.manifest["chunks"]
@@ -69,7 +69,8 @@ class Coordinator:
         self.on_event = on_event or (lambda kind, data: None)
         self.files = {f["path"]: f for f in self.manifest["files"]}
         sizes = {p: f["size"] for p, f in self.files.items()}
-        ordered = assign_by_memory(self.chunks, devices, sizes)
+        # keep_order: devices[k] runs chunk k (a zl-host plan chose them); else by memory
+        ordered = devices[:len(self.chunks)] if keep_order else assign_by_memory(self.chunks, devices, sizes)
         self.stages = [StageState(k, d) for k, d in enumerate(ordered)]
         # token of the link into stage k; kept in run.json so a resumed host reaches running stages
         self.link_tokens = link_tokens or [secrets.token_hex(32) for _ in range(len(self.chunks))]
@@ -184,6 +185,9 @@ class Coordinator:
             except DeviceError as e:
                 raise RunError(str(e)) from None
             self.on_event("connected", {"stage": st.k, "device": st.device.name, "hello": st.client.hello.meta})
+            # what the device said about itself (cores, CPU budget, runtime) goes into the metrics for the report
+            self.metrics.write(json.dumps({"t": time.time(), "device": st.device.name, "stage": st.k, "type": "HELLO",
+                                           **{k: v for k, v in st.client.hello.meta.items() if k != "files"}}) + "\n")
         for st in self.stages:
             self._push(st)
         for st in reversed(self.stages):  # downstream first: each needs its neighbour's data port

@@ -1,6 +1,7 @@
 """Emulated phones: real zl-phone processes on this machine, started and restarted by the host."""
 from __future__ import annotations
 
+import math
 import os
 import secrets
 import subprocess
@@ -45,6 +46,9 @@ class EmulatedPhone:
         cmd = [*(self.net.prefix if self.net else []), sys.executable, "-m", "zl_mobile.phone", "--name", self.name,
                "--workdir", str(self.workdir), "--token", self.token, "--port", str(self.port),
                *(["--bind", self.net.address] if self.net else []), *self.extra_args]
+        if "--cpu-share" in self.extra_args:  # budgeted from the start; a launcher, as `ip netns exec` hides the cgroups
+            cmd = [sys.executable, "-m", "zl_mobile.cpu_budget",
+                   self.extra_args[self.extra_args.index("--cpu-share") + 1], "--", *cmd]
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
@@ -103,6 +107,16 @@ class EmulatedPhone:
         elif self.alive():
             self.proc.kill()
             self.proc.wait(timeout=10)
+        self._release_budget()
+
+    def _release_budget(self) -> None:
+        """A phone killed outright cannot remove its CPU budget's cgroup (zl-phone --cpu-share): once it
+        is gone, its parent does."""
+        pid = self.proc.pid if self.proc is not None else None
+        if pid is not None and self.proc.poll() is not None:
+            from zl_mobile.cpu_budget import release
+
+            release(pid)
 
     def _signal(self, sig: int) -> None:
         pid, self.adopted_pid = self.adopted_pid, None
@@ -112,7 +126,9 @@ class EmulatedPhone:
                 os.kill(pid, 0)
                 time.sleep(0.05)
         except OSError:
-            pass
+            from zl_mobile.cpu_budget import release
+
+            release(pid)  # gone: its CPU budget's cgroup too (a no-op if it had none or removed it)
 
     def stop(self) -> None:
         if self.adopted_pid is not None:
@@ -123,6 +139,8 @@ class EmulatedPhone:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+                self.proc.wait(timeout=10)
+        self._release_budget()
 
     def restart(self) -> str:
         """Kill (if still running) and start again with the same work dir, token and port."""
@@ -171,9 +189,16 @@ class EmulatedLinks:
         return network, args, f"own network namespaces, {self.mbit:g} Mbit/s per phone and direction" + latency
 
 
+def budget_args(share: float) -> list[str]:
+    """zl-phone arguments of a phone held to `share` of one core: not pinned (the shares of several
+    phones need not add up to whole cores), as many compute threads as whole cores it may use."""
+    return ["--cpu-share", f"{share:g}", "--threads", str(max(1, math.ceil(share - 1e-9)))]
+
+
 def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_phone_args=None,
-                 network: "ShapedNetwork | None" = None) -> list[EmulatedPhone]:
-    """Start n phones; with 2+ cores each phone is pinned to its own core (round robin).
+                 network: "ShapedNetwork | None" = None, cpu_shares: list[float] | None = None) -> list[EmulatedPhone]:
+    """Start n phones; with 2+ cores each phone is pinned to its own core (round robin), or, with
+    `cpu_shares`, phone i is held to cpu_shares[i] of one core (zl-phone --cpu-share) instead.
     With `network` (an open host.netns.ShapedNetwork of n phones) phone i runs in its namespace."""
     phones = []
     cores = sorted(os.sched_getaffinity(0))
@@ -182,6 +207,8 @@ def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_p
             args = list(extra_args or [])
             if per_phone_args:
                 args += per_phone_args(i)
+            elif cpu_shares:
+                args += budget_args(cpu_shares[i])
             elif len(cores) > 1:
                 args += ["--cpus", str(cores[i % len(cores)]), "--threads", "1"]
             net = network.phones[i] if network else None

@@ -64,6 +64,7 @@ def write_report(run_dir: Path, summary: dict) -> Path:
     plt.close(fig)
 
     rows = []
+    hello = {r["stage"]: r for r in recs if r["type"] == "HELLO"}  # the last HELLO of each stage's device
     last = defaultdict(dict)
     for r in tel:
         last[r["stage"]] = r
@@ -72,7 +73,9 @@ def write_report(run_dir: Path, summary: dict) -> Path:
         first = next(x for x in tel if x["stage"] == k)
         busy = r["active_s"] + r["wait_s"]
         f = _num
-        rows.append(f"| {k} | {r['device']} | {f(first.get('loss'))} | {f(r.get('loss'))} | {f(r.get('task_loss'))} | "
+        share = hello.get(k, {}).get("cpu_share")
+        rows.append(f"| {k} | {r['device']} | {'-' if share is None else f'{share:g}'} | {f(first.get('loss'))} | "
+                    f"{f(r.get('loss'))} | {f(r.get('task_loss'))} | "
                     f"{f(r.get('consis_loss'))} | {r.get('pss_bytes', 0) / 2**20:.0f} | "
                     f"{r.get('temperature_c', 'n/a')} | {100 * r['active_s'] / busy if busy else 0:.0f}% |")
     win = [r for r in recs if r["type"] == "TELEMETRY" and r.get("kind") == "window"]
@@ -85,9 +88,12 @@ def write_report(run_dir: Path, summary: dict) -> Path:
           f"- micro-batches: {summary.get('micro_batches')}, window {summary.get('window_size')}, "
           f"steps {summary.get('windows')}, lr {summary.get('lr')}",
           f"- wall time: {summary.get('seconds', 0):.1f} s, throughput {summary.get('samples_per_s', 0):.2f} samples/s",
-          f"- recoveries: {summary.get('recoveries', 0)}", "",
-          "| stage | device | first loss | last loss | task | consistency | PSS MiB | temp °C | active |",
-          "|---|---|---|---|---|---|---|---|---|", *rows, "",
+          f"- recoveries: {summary.get('recoveries', 0)}",
+          *([f"- CPU budgets (share of one core, zl-phone --cpu-share): "
+             + ", ".join(f"stage {k} {hello[k]['cpu_share']:g}" for k in sorted(hello) if "cpu_share" in hello[k])]
+            if any("cpu_share" in h for h in hello.values()) else []), "",
+          "| stage | device | CPU share | first loss | last loss | task | consistency | PSS MiB | temp °C | active |",
+          "|---|---|---|---|---|---|---|---|---|---|", *rows, "",
           "![loss](loss.png)", "", "![memory](memory.png)", "", "![timeline](timeline.png)", "",
           "## Per update window", "",
           "| stage | window | micro-batches | mean task | mean consistency | peak RSS MiB | seconds | active | KiB out |",

@@ -33,8 +33,11 @@ class Device:
     """State that outlives host sessions: stored files and the running stage."""
 
     def __init__(self, name: str, workdir: Path, token: str, limiter=None, bind: str = "0.0.0.0",
-                 backend: Backend | None = None, link_delay=None):
+                 backend: Backend | None = None, link_delay=None, cpu_share: float | None = None,
+                 memory_limit=None):
         self.name = name
+        self.cpu_share = cpu_share  # the share of one core this process is held to (zl-phone --cpu-share)
+        self.memory_limit = memory_limit  # zl_mobile.memlimit.MemoryLimit (zl-phone --mem-limit) or None
         self.backend = backend or Backend()  # the runtime the chunk runs on (zl-phone --backend)
         self.bind = bind  # the stage's data port listens here too
         self.workdir = Path(workdir)
@@ -52,6 +55,8 @@ class Device:
 
     # ---- identity
     def hello(self) -> Message:
+        from .memlimit import budget_bytes
+
         stored = {}
         for p in sorted(self.files.iterdir()):
             if p.is_file() and not p.name.endswith(".part"):
@@ -59,7 +64,9 @@ class Device:
         return Message(MsgType.HELLO, {
             "name": self.name, "protocol_version": 1, "runtime_version": f"zl_mobile {__version__} ({self.backend.label})",
             "memory_bytes": total_memory_bytes(), "capabilities": self.backend.capabilities, "os": "linux-emulated",
-            "cores": len(os.sched_getaffinity(0)), "files": stored})
+            "cores": len(os.sched_getaffinity(0)), "files": stored,
+            **({"cpu_share": self.cpu_share} if self.cpu_share is not None else {}),
+            **({"memory_budget_bytes": b} if (b := budget_bytes(self.memory_limit)) else {})})
 
     def _cached_sha(self, p: Path) -> str:
         cache = p.with_name(p.name + ".sha256")

@@ -21,8 +21,11 @@ def _zeroconf(interfaces):
     return Zeroconf(interfaces=list(interfaces), ip_version=IPVersion.V4Only)
 
 
-def txt_record(name: str, proto: int, runtime: str, memory_bytes: int) -> dict[str, str]:
-    return {"name": name, "proto": str(proto), "runtime": runtime, "mem": str(memory_bytes)}
+def txt_record(name: str, proto: int, runtime: str, memory_bytes: int, cpu_share: float | None = None) -> dict[str, str]:
+    txt = {"name": name, "proto": str(proto), "runtime": runtime, "mem": str(memory_bytes)}
+    if cpu_share is not None:  # zl-phone --cpu-share: the share of one core the phone is held to
+        txt["cpu_share"] = f"{cpu_share:g}"
+    return txt
 
 
 class Advertisement:

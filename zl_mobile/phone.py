@@ -48,6 +48,9 @@ def build_parser():
     p.add_argument("--token", default=None, help="pairing token (64 hex digits); default: generated once and kept")
     p.add_argument("--threads", type=int, default=None, help="cap compute threads")
     p.add_argument("--cpus", default=None, help="pin to these CPU cores, e.g. 0 or 0,1")
+    p.add_argument("--cpu-share", type=float, default=None,
+                   help="limit this phone to this share of one CPU core (e.g. 0.5), in a cgroup of its own that goes "
+                        "when the phone does (needs root and the cgroup cpu controller; zl_mobile/cpu_budget.py)")
     p.add_argument("--rate-mbit", type=float, default=None, help="shape outgoing links to this many Mbit/s")
     p.add_argument("--link-delay-ms", type=float, default=0.0,
                    help="see each frame arriving on a stage link (hidden state, gradient, credit) this much later "
@@ -59,6 +62,10 @@ def build_parser():
                         "PyTorch (needs an export made with zl-export --eager-weights; no ExecuTorch needed)")
     p.add_argument("--torch-device", default=None,
                    help="with --backend eager: cpu (default), cuda or cuda:N")
+    p.add_argument("--mem-limit", default=None,
+                   help="memory this phone may use, e.g. 600M or 1.5G: reported as its budget (HELLO "
+                        "memory_budget_bytes) and enforced (the process ends, exit 137, when its resident memory "
+                        "passes it, as a phone's low-memory killer would)")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -72,6 +79,31 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if a.link_delay_ms < 0:
         parser.error(f"--link-delay-ms must be >= 0, got {a.link_delay_ms:g}")
+    budget = None
+    if a.cpu_share is not None:  # first: the imports and loading below run on the budget too
+        from .cpu_budget import CpuBudget, CpuBudgetError
+
+        try:
+            budget = CpuBudget.enter(a.cpu_share)
+        except CpuBudgetError as e:
+            print(f"zl-phone: error: {e}", file=sys.stderr)
+            return 2
+        try:
+            return _main(a, parser, budget)
+        finally:
+            budget.close()
+    return _main(a, parser, None)
+
+
+def _main(a, parser, budget) -> int:
+    if budget is not None and threading.current_thread() is threading.main_thread():
+        # SIGTERM (how the host stops a phone): leave and remove the cgroup, then end as SIGTERM does
+        def on_term(signum, frame):
+            budget.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_term)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
     if a.cpus:
@@ -85,6 +117,14 @@ def main(argv=None) -> int:
             parse_token(a.token)
         except ValueError as e:  # before anything is created or written
             print(f"zl-phone: error: --token: {e}", file=sys.stderr)
+            return 2
+    limit = None
+    if a.mem_limit is not None:
+        from .memlimit import MemoryLimit, parse_size
+        try:
+            limit = MemoryLimit(parse_size(a.mem_limit), a.name)
+        except ValueError as e:
+            print(f"zl-phone: error: --mem-limit: {e}", file=sys.stderr)
             return 2
     # the backend's options (for eager, its torch device): after the affinity/thread settings, before
     # anything is written
@@ -114,16 +154,19 @@ def main(argv=None) -> int:
 
     limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
     delay = DelayLine(a.link_delay_ms / 1000) if a.link_delay_ms > 0 else None
-    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay)
+    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay,
+                    cpu_share=budget.share if budget else None, memory_limit=limit.start() if limit else None)
     adverts = []
 
     def ready(port: int) -> None:
-        print(f"zl-phone {a.name}: listening on {a.bind}:{port}, work dir {workdir}, backend {backend.label}", flush=True)
+        print(f"zl-phone {a.name}: listening on {a.bind}:{port}, work dir {workdir}, backend {backend.label}"
+              + (f", CPU budget {budget.share:g} of a core ({budget.path})" if budget else ""), flush=True)
         print(f"pairing token: {token}", flush=True)
         if a.mdns != "none":
             interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
             address = a.bind if a.bind != "0.0.0.0" else "127.0.0.1"
-            adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes()),
+            adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes(),
+                                                                 cpu_share=budget.share if budget else None),
                                          address=address, interfaces=interfaces))
             print(f"advertised as {adverts[-1].instance} on {a.mdns}", flush=True)
 

@@ -102,7 +102,12 @@ def valid_messages() -> list[tuple[str, str, Message]]:
         ("hello", "device info after AUTH_OK, with an extra unknown key that must be kept",
          M(MsgType.HELLO, {"name": "Pixel 7a — bench", "protocol_version": 1, "runtime_version": "executorch 1.5.1",
                            "memory_bytes": 8 * 1024 ** 3, "capabilities": ["executorch", "xnnpack", "lora", "replay"],
-                           "model": "Pixel 7a", "cores": 8, "x_future_field": {"nested": [1, 2.5, None, True]}})),
+                           "model": "Pixel 7a", "cores": 8, "memory_budget_bytes": 3 * 1024 ** 3,
+                           "x_future_field": {"nested": [1, 2.5, None, True]}})),
+        ("hello_budgeted", "an emulated phone held to 0.45 of one core (zl-phone --cpu-share)",
+         M(MsgType.HELLO, {"name": "emu1", "protocol_version": 1, "runtime_version": "zl_mobile 0.1.0 (executorch)",
+                           "memory_bytes": 24 * 1024 ** 3, "capabilities": ["executorch", "lora", "replay"],
+                           "os": "linux-emulated", "cores": 2, "cpu_share": 0.45})),
         ("heartbeat", "heartbeat with sender clock", M(MsgType.HEARTBEAT, {"seq": 42, "time_ms": 1234567890123})),
         ("ack", "ACK of a request", M(MsgType.ACK, {"request_id": 7, "ok": True})),
         ("error", "ERROR with a request_id",
@@ -178,6 +183,8 @@ def invalid_frames() -> list[tuple[str, str, bytes, str, int]]:
     H = int(MsgType.HEARTBEAT)
     HS = int(MsgType.HIDDEN_STATE)
     hello_missing = meta_bytes({"name": "x", "protocol_version": 1, "runtime_version": "r", "memory_bytes": 1})
+    hello_share_text = meta_bytes({"name": "x", "protocol_version": 1, "runtime_version": "r", "memory_bytes": 1,
+                                   "capabilities": [], "cpu_share": "0.45"})
     hs_meta = meta_bytes({"micro_batch": 0, "window": 0})
     off = 4 + len(hs_meta) + 2
     f32 = np.array([1.0, 2.0], dtype=np.float32).tobytes()
@@ -227,6 +234,13 @@ def invalid_frames() -> list[tuple[str, str, bytes, str, int]]:
         ("meta_len_past_body", "meta_len larger than the body", frame(H, struct.pack("<I", 100) + b"{}"),
          "MALFORMED", D),
         ("missing_field", "HELLO without capabilities", frame(int(MsgType.HELLO), body(hello_missing)),
+         "MALFORMED", D),
+        ("hello_budget_negative", "HELLO memory_budget_bytes is not a uint",
+         frame(int(MsgType.HELLO), body(meta_bytes({"name": "x", "protocol_version": 1, "runtime_version": "r",
+                                                    "memory_bytes": 1, "capabilities": [],
+                                                    "memory_budget_bytes": -1}))), "MALFORMED", D),
+        ("hello_cpu_share_not_number", "HELLO cpu_share written as a string", frame(int(MsgType.HELLO),
+                                                                                    body(hello_share_text)),
          "MALFORMED", D),
         ("hidden_state_without_h", "HIDDEN_STATE lacks tensor 'h'",
          hs_frame(record("x", 1, [2], f32, offset=off), 1), "MALFORMED", D),

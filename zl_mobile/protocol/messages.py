@@ -109,7 +109,7 @@ _SCHEMA: dict[MsgType, tuple[dict[str, str], dict[str, str], str]] = {
     MsgType.AUTH_OK: ({"device_proof": "hex64"}, {}, "none"),
     MsgType.HELLO: ({"name": "str", "protocol_version": "uint", "runtime_version": "str",
                      "memory_bytes": "uint", "capabilities": "list[str]"},
-                    {"model": "str", "os": "str", "abi": "str", "cores": "uint"}, "none"),
+                    {"model": "str", "os": "str", "abi": "str", "cores": "uint", "memory_budget_bytes": "uint", "cpu_share": "number"}, "none"),
     MsgType.HEARTBEAT: ({"seq": "uint"}, {"time_ms": "uint", "busy_ms": "uint"}, "none"),
     MsgType.ACK: ({"request_id": "uint", "ok": "bool"}, {"message": "str"}, "none"),
     MsgType.ERROR: ({"code": "str", "message": "str"}, {"request_id": "uint"}, "none"),

@@ -35,5 +35,14 @@ class DeviceStats(private val context: Context) : StatsProvider {
         return mi.totalMem
     }
 
+    /** What this app can take before Android's low-memory killer would end it (HELLO `memory_budget_bytes`):
+     *  the memory available now less the threshold at which the system starts killing, plus what this process
+     *  already holds. ExecuTorch allocates natively, so the Java heap's memory class does not bound it. */
+    fun memoryBudgetBytes(): Long {
+        val mi = ActivityManager.MemoryInfo()
+        (context.getSystemService(Context.ACTIVITY_SERVICE) as ActivityManager).getMemoryInfo(mi)
+        return maxOf(0L, mi.availMem - mi.threshold) + pssBytes()
+    }
+
     override fun sample(): Pair<Long, Double?> = Pair(pssBytes(), batteryTempC())
 }

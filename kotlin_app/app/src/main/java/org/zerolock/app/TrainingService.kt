@@ -52,7 +52,8 @@ class TrainingService : Service() {
             memoryBytes = stats.totalMemBytes(),
             capabilities = listOf("executorch", "xnnpack", "lora", "replay"),
             extra = mapOf("model" to Build.MODEL, "os" to "Android ${Build.VERSION.RELEASE}",
-                "abi" to (Build.SUPPORTED_ABIS.firstOrNull() ?: "unknown"), "cores" to Runtime.getRuntime().availableProcessors()),
+                "abi" to (Build.SUPPORTED_ABIS.firstOrNull() ?: "unknown"), "cores" to Runtime.getRuntime().availableProcessors(),
+                "memory_budget_bytes" to stats.memoryBudgetBytes()),
         )
         val srv = DeviceServer(
             info = info,

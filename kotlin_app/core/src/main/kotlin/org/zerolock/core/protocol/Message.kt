@@ -64,7 +64,7 @@ object Schema {
         MsgType.AUTH_OK to Spec(mapOf("device_proof" to T.HEX64), emptyMap(), Tensors.NONE),
         MsgType.HELLO to Spec(
             mapOf("name" to T.STR, "protocol_version" to T.UINT, "runtime_version" to T.STR, "memory_bytes" to T.UINT, "capabilities" to T.LIST_STR),
-            mapOf("model" to T.STR, "os" to T.STR, "abi" to T.STR, "cores" to T.UINT), Tensors.NONE),
+            mapOf("model" to T.STR, "os" to T.STR, "abi" to T.STR, "cores" to T.UINT, "memory_budget_bytes" to T.UINT, "cpu_share" to T.NUMBER), Tensors.NONE),
         MsgType.HEARTBEAT to Spec(mapOf("seq" to T.UINT), mapOf("time_ms" to T.UINT), Tensors.NONE),
         MsgType.ACK to Spec(mapOf("request_id" to T.UINT, "ok" to T.BOOL), mapOf("message" to T.STR), Tensors.NONE),
         MsgType.ERROR to Spec(mapOf("code" to T.STR, "message" to T.STR), mapOf("request_id" to T.UINT), Tensors.NONE),

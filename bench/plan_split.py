@@ -1,0 +1,171 @@
+"""Uneven phones: the even split against the planned split, side by side, on the same phones (issue 19).
+
+Three emulated phones held to different CPU budgets (zl-phone --cpu-share, default 0.3 / 0.6 /
+0.9 of a core) and memory limits (zl-phone --mem-limit) are profiled (host/profile.py: the
+calibration programs on each phone's own runtime), the model is planned over them
+(host/split_planner.py), and ZeroLock is run twice on the same phones: with the even split (given
+its best assignment of chunks to phones, so only the boundaries differ) and with the planned split.
+
+Reported: steady-state throughput of both (samples/s over the windows after the first) and their
+ratio; the planned split against the ideal (model work / total speed: the planner's continuous
+bound, which whole layers only approach); each stage's predicted time per micro-batch against the
+measured one (phase 1 + phase 2 + its share of the window's step, from window telemetry).
+Targets (issue 19): planned >= 1.7x even, within 10% of the ideal, predictions within 10%.
+
+Needs root and the cgroup cpu controller for --cpu-share. The phones share the machine's cores:
+on a machine other jobs load, every budget gets less than its share and the numbers mean little
+(the script says how loaded the machine was).
+
+Usage:
+  python bench/plan_split.py [--model tiny|DIR] [--seq-len 64] [--micro-batch 2] [--backend xnnpack]
+        [--shares 0.3,0.6,0.9] [--mem-limits 1500M,1500M,1500M] [--windows 6] [--window 4] [--reps 4]
+        [--work DIR] [--out bench/results/plan_split.json]
+  python bench/plan_split.py --smoke    # a short check that every step runs (seq len 16, portable, 3 windows)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, bench_micro_batches, machine, now_iso  # noqa: E402
+
+warnings.filterwarnings("ignore")
+
+
+def loadavg() -> float:
+    return os.getloadavg()[0]
+
+
+def export(model: str, chunks: str, out: Path, export_cfg: dict) -> Path:
+    from exporter.config import ExportConfig
+    from exporter.export import export_model
+    from exporter.manifest import load_manifest
+
+    if (out / "manifest.json").is_file():
+        m = load_manifest(out, check_files=False)
+        have = ",".join(f"{c['layers'][0]}-{c['layers'][1]}" for c in m["chunks"])
+        if have == chunks and all(m["export"].get(k) == v for k, v in export_cfg.items()):
+            return out
+    print(f"exporting {chunks} -> {out}", flush=True)
+    export_model(model, chunks, out, ExportConfig(**export_cfg))
+    return out
+
+
+def run_split(export_dir: Path, handles: list, settings, mbs, run_dir: Path) -> dict:
+    """One ZeroLock run with handles[k] on stage k; its throughput and per-stage times."""
+    from host.coordinator import Coordinator
+
+    co = Coordinator(export_dir, handles, mbs, settings, run_dir, run_id=f"bench-{int(time.time())}", keep_order=True)
+    co.run()
+    recs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    win = [r for r in recs if r.get("type") == "TELEMETRY" and r.get("kind") == "window"]
+    mb = [r for r in recs if r.get("type") == "TELEMETRY" and r.get("kind", "micro_batch") == "micro_batch"]
+    ends = {}  # window -> the last phase 2 end of its micro-batches on any stage
+    for r in mb:
+        ends[r["window"]] = max(ends.get(r["window"], 0.0), r["phase2_end"])
+    last = max(ends)
+    rows = settings.window_size * mbs[0]["input_ids"].shape[0]
+    throughput = last * rows / (ends[last] - ends[0])
+    stages = []
+    for k in range(len(handles)):
+        per = [(w["phase1_s"] + w["phase2_s"] + w["step_s"]) / w["micro_batches"] for w in win
+               if w["stage"] == k and w["window"] >= 1]
+        stages.append(statistics.median(per))
+    return {"samples_per_s": throughput, "measured_stage_s": stages, "seconds": ends[last] - ends[0]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--backend", default="xnnpack", choices=["xnnpack", "portable"])
+    p.add_argument("--shares", default="0.3,0.6,0.9")
+    p.add_argument("--mem-limits", default="1500M,1500M,1500M")
+    p.add_argument("--windows", type=int, default=6)
+    p.add_argument("--window", type=int, default=4)
+    p.add_argument("--reps", type=int, default=4)
+    p.add_argument("--work", type=Path, default=REPO / "bench" / "results" / "plan_split_work")
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "plan_split.json")
+    p.add_argument("--smoke", action="store_true", help="seq len 16, portable, 3 windows of 2, 2 reps")
+    a = p.parse_args(argv)
+    if a.smoke:
+        a.seq_len, a.backend, a.windows, a.window, a.reps = 16, "portable", 3, 2, 2
+
+    from host.emulate import start_phones
+    from host.plan import RunSettings
+    from host.plan_cli import emulated_phone_args, make_plan, parse_list
+    from host.profile import export_calibration, profile_device, save_profile
+    from host.split_planner import even_chunks, evaluate_split
+
+    shares = [float(s) for s in a.shares.split(",")]
+    n = len(shares)
+    limits = parse_list(a.mem_limits, n, "memory limit", "--mem-limits")
+    export_cfg = {"seq_len": a.seq_len, "micro_batch": a.micro_batch, "backend": a.backend}
+    a.work.mkdir(parents=True, exist_ok=True)
+    t0, load0 = time.time(), loadavg()
+    phones = start_phones(n, a.work / "phones", prefix="emu", extra_args=["--mdns", "none"],
+                          per_phone_args=emulated_phone_args(n, limits, shares))
+    try:
+        handles = [ph.handle() for ph in phones]
+        cal = export_calibration(a.model, export_cfg, a.work / "calibration", progress=print)
+        profiles = []
+        for h in handles:
+            prof = profile_device(h, cal, a.work / "profile_runs", reps=a.reps, progress=print)
+            save_profile(prof, a.work / "profiles")
+            profiles.append(prof)
+        plan, _, models = make_plan(a.model, export_cfg, profiles, a.window)
+        # the even split, given its best assignment (only the boundaries differ from the plan)
+        L = plan.stages[-1].last + 1
+        even = min((evaluate_split(even_chunks(L, n), [models[i] for i in perm], 0, "zerolock", a.window)
+                    for perm in itertools.permutations(range(n))), key=lambda pl: pl.bottleneck_s)
+        print(f"plan: {plan.chunks} on {','.join(plan.devices)} predicted {plan.bottleneck_s * 1e3:.1f} ms/mb "
+              f"(ideal {plan.ideal_s * 1e3:.1f}); even: {even.chunks} on {','.join(even.devices)} predicted "
+              f"{even.bottleneck_s * 1e3:.1f} ms/mb", flush=True)
+        by_name = {h.name: h for h in handles}
+        settings = RunSettings(windows=a.windows, window_size=a.window, max_seconds=1800.0, heartbeat_timeout=30.0)
+        results = {}
+        for label, split in (("even", even), ("planned", plan)):
+            exp = export(a.model, split.chunks, a.work / f"export_{split.chunks.replace(',', '_')}", export_cfg)
+            mbs = bench_micro_batches(exp, a.windows * a.window, a.micro_batch, a.seq_len)
+            print(f"running the {label} split", flush=True)
+            res = run_split(exp, [by_name[d] for d in split.devices], settings, mbs,
+                            a.work / f"run_{label}_{int(time.time())}")
+            res.update(chunks=split.chunks, devices=split.devices, predicted_stage_s=[s.time_s for s in split.stages],
+                       predicted_bottleneck_s=split.bottleneck_s)
+            res["prediction_error"] = [m / pr - 1 for m, pr in zip(res["measured_stage_s"], res["predicted_stage_s"])]
+            results[label] = res
+            print(f"{label}: {res['samples_per_s']:.2f} samples/s; stages predicted "
+                  + ", ".join(f"{pr * 1e3:.1f}" for pr in res["predicted_stage_s"]) + " ms, measured "
+                  + ", ".join(f"{m * 1e3:.1f}" for m in res["measured_stage_s"]) + " ms", flush=True)
+    finally:
+        for ph in phones:
+            ph.stop()
+    ideal = a.micro_batch / plan.ideal_s
+    summary = {
+        "when": now_iso(), "machine": machine(), "loadavg_start": load0, "loadavg_end": loadavg(),
+        "seconds": time.time() - t0, "settings": {**vars(a), "work": str(a.work), "out": str(a.out)},
+        "shares": shares, "mem_limits": limits, "ideal_s_per_mb": plan.ideal_s, "ideal_samples_per_s": ideal,
+        "results": results, "planned_over_even": results["planned"]["samples_per_s"] / results["even"]["samples_per_s"],
+        "planned_over_ideal": results["planned"]["samples_per_s"] / ideal,
+        "profiles": {pr["device"]: pr["fit"] for pr in profiles},
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(summary, indent=2))
+    print(f"planned / even throughput {summary['planned_over_even']:.2f}x (target >= 1.7); planned / ideal "
+          f"{summary['planned_over_ideal']:.2f} (target >= 0.9); largest stage prediction error "
+          f"{max(abs(e) for r in results.values() for e in r['prediction_error']):.0%} (target <= 10%); "
+          f"load average {load0:.1f} -> {summary['loadavg_end']:.1f} on {os.cpu_count()} cores; wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

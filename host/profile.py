@@ -1,0 +1,313 @@
+"""Profile a phone: what a layer, the readout and the runtime cost it, measured on its own runtime.
+
+The host exports two calibration programs of the run's model (its first layer, and its first
+three layers, each one chunk with the embedding and the readout; same sequence length,
+micro-batch, readout rows, backend and base weights as the run) and runs each on the phone as a
+one-stage ZeroLock pipeline for a few micro-batches through the ordinary coordinator: files
+pushed, STAGE_ASSIGN, hidden states fed, TELEMETRY back. No protocol message is added; the phone
+runs exactly what a stage runs. From the two stage runs:
+
+- time per micro-batch t(n) = fixed + n * per-layer (phase 1 and phase 2 apart; the readout is
+  most of phase 2's fixed part), from the medians after a warm-up micro-batch;
+- memory: the peak resident set of the 1-layer stage (runtime + weights + activations as the
+  kernel counts them), the frozen weights per layer, of the readout and of the embedding from the
+  programs' weight files (exact), the activations a further held forward keeps per layer from the
+  export (saved_activation_bytes), and the runtime's PSS before any program was loaded;
+- the phone's memory budget from HELLO (memory_budget_bytes: an Android app's available memory, an
+  emulated phone's --mem-limit), and the host -> phone rate of the calibration push.
+
+A profile is a JSON file per device; host.split_planner.PhoneModel is built from it."""
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .split_planner import PhoneModel
+
+CAL_LAYERS = (1, 3)  # the two calibration programs: layers 0-0 and 0-2 of the model
+PROFILE_FORMAT = "zerolock-profile"
+EXPORT_KEYS = ("seq_len", "micro_batch", "loss_positions", "backend", "base_weights", "lora_rank", "lora_alpha",
+               "target_modules", "xnnpack_ops")
+
+
+class ProfileError(Exception):
+    """A profile that could not be made or read (one line, with the fix)."""
+
+
+# ---------------------------------------------------------------- calibration programs
+def model_layers(model: str) -> tuple[int, dict]:
+    """(number of layers, the few config values the planner needs) of 'tiny' or a HF Llama dir."""
+    if model == "tiny":
+        from exporter.model_source import TINY_CONFIG
+        cfg = TINY_CONFIG
+    else:
+        from exporter.errors import ModelDirError
+        from exporter.model_source import check_model_dir
+        try:
+            cfg = check_model_dir(Path(model))
+        except ModelDirError as e:
+            raise ProfileError(str(e)) from None
+    return cfg["num_hidden_layers"], {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers")}
+
+
+def _truncated_model(model: str, layers: int):
+    import torch
+
+    if model == "tiny":
+        from exporter.model_source import build_tiny_model
+        m = build_tiny_model()
+    else:
+        from exporter.model_source import load_model_dir
+        m = load_model_dir(Path(model))
+    m.model.layers = torch.nn.ModuleList(list(m.model.layers)[:layers])
+    m.config.num_hidden_layers = layers
+    if isinstance(getattr(m.config, "layer_types", None), list):
+        m.config.layer_types = m.config.layer_types[:layers]
+    return m
+
+
+def export_calibration(model: str, export: dict, out: Path, progress=None) -> dict[int, Path]:
+    """The calibration programs (layers -> export dir) under `out`, exported unless an earlier
+    call left the same ones there."""
+    from exporter.config import ExportConfig
+    from exporter.export import export_model
+
+    keys = {k: export[k] for k in EXPORT_KEYS if k in export}
+    if "target_modules" in keys:
+        keys["target_modules"] = tuple(keys["target_modules"])
+    cfg = ExportConfig(**keys)
+    stamp = {"model": str(Path(model).absolute()) if model != "tiny" else "tiny", "export": cfg.to_json()}
+    out = Path(out)
+    dirs = {}
+    for n in CAL_LAYERS:
+        d = out / f"layers_{n}"
+        dirs[n] = d
+        meta = d / "calibration.json"
+        if meta.is_file() and json.loads(meta.read_text()) == stamp and (d / "manifest.json").is_file():
+            continue
+        if progress:
+            progress(f"exporting the {n}-layer calibration program ({cfg.backend}, seq len {cfg.seq_len}, "
+                     f"micro-batch {cfg.micro_batch})")
+        export_model(model, f"0-{n - 1}", d, cfg, model=_truncated_model(model, n))
+        meta.write_text(json.dumps(stamp, indent=2))
+    return dirs
+
+
+def calibration_batches(manifest: dict, count: int, seed: int = 0) -> list[dict]:
+    """Micro-batches of random tokens, every position a target (the readout runs full)."""
+    e = manifest["export"]
+    b, s, vocab = e["micro_batch"], e["seq_len"], manifest["model"]["config"]["vocab_size"]
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(count):
+        ids = rng.integers(4, vocab, size=(b, s), dtype=np.int64)
+        out.append({"input_ids": ids, "attention_mask": np.ones((b, s), np.int64),
+                    "position_ids": np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy(),
+                    "labels": np.roll(ids, -1, axis=1)})
+    return out
+
+
+def _weight_bytes(export_dir: Path, chunk: dict, eager: bool) -> dict[str, int]:
+    """Frozen weight bytes by part (embedding, readout, layers) of a chunk, from the file the phone
+    loads: the .ptd's named tensors, or the eager backend's safetensors."""
+    parts = {"embed": 0, "readout": 0, "layers": 0}
+    if eager and "eager_weights" in chunk:
+        from safetensors import safe_open
+        with safe_open(str(export_dir / chunk["eager_weights"]), "pt") as f:
+            items = [(k, f.get_slice(k)) for k in f.keys()]
+            sizes = {k: int(np.prod(s.get_shape())) * _dtype_bytes(s.get_dtype()) for k, s in items}
+    else:
+        from exporter.manifest import ptd_contents
+        sizes = {k: len(v[1]) for k, v in ptd_contents(export_dir / chunk["weights"]).items()}
+    for k, n in sizes.items():
+        part = ("embed" if k.startswith("embed") or "embed_tokens" in k
+                else "layers" if k.startswith("layers.") or ".layers." in k else "readout")
+        parts[part] += n
+    return parts
+
+
+def _dtype_bytes(dtype: str) -> int:
+    return {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I64": 8, "I32": 4}.get(dtype, 4)
+
+
+# ---------------------------------------------------------------- one phone
+def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, links=None, progress=None) -> dict:
+    """Run both calibration programs on the phone behind `handle` (a coordinator DeviceHandle);
+    return its profile (a JSON-able dict)."""
+    from exporter.manifest import load_manifest
+
+    from .coordinator import Coordinator, RunError
+    from .plan import RunSettings
+
+    import dataclasses
+
+    handle = dataclasses.replace(handle, restart=None)  # a phone that dies here is reported, not restarted
+    runs = {}
+    hello = None
+    for n, export_dir in cal.items():
+        manifest = load_manifest(export_dir)
+        settings = RunSettings(windows=1, window_size=reps + 1, max_seconds=600.0, heartbeat_timeout=30.0,
+                               rejoin_timeout=5.0)
+        pushes: list[tuple[float, dict]] = []
+        start = time.time()
+
+        def on_event(kind, data, pushes=pushes):
+            if kind == "push":
+                pushes.append((time.time(), data))
+            elif kind == "connected":
+                pushes.append((time.time(), {"connected": True}))
+
+        run_dir = Path(run_root) / f"{handle.name}-layers_{n}-{int(start)}"
+        if progress:
+            progress(f"{handle.name}: running the {n}-layer calibration stage ({reps + 1} micro-batches)")
+        try:
+            co = Coordinator(export_dir, [handle], calibration_batches(manifest, reps + 1), settings, run_dir,
+                             run_id=f"profile-{int(start)}-{n}", on_event=on_event, links=links)
+            co.run()
+        except RunError as e:
+            raise ProfileError(f"{handle.name}: the {n}-layer calibration stage failed: {e}") from None
+        hello = co.stages[0].client.hello.meta
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        mbs = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind", "micro_batch") == "micro_batch"]
+        win = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind") == "window"]
+        if len(mbs) < reps + 1 or not win:
+            raise ProfileError(f"{handle.name}: the {n}-layer calibration stage reported {len(mbs)} of {reps + 1} "
+                               f"micro-batches; see {run_dir}/metrics.jsonl and the phone's log")
+        steady = sorted(mbs, key=lambda r: r["micro_batch"])[1:]  # the first one warms the runtime up
+        eager = "eager-torch" in (hello.get("capabilities") or [])
+        chunk = manifest["chunks"][0]
+        runs[n] = {
+            "layers": n,
+            "phase1_s": statistics.median(r["phase1_end"] - r["phase1_start"] for r in steady),
+            "phase2_s": statistics.median(r["phase2_end"] - r["phase2_start"] for r in steady),
+            "step_s": statistics.median(w["step_s"] for w in win),
+            "rss_peak_bytes": max([r.get("rss_peak_bytes") or 0 for r in mbs] + [w.get("rss_peak_bytes") or 0 for w in win]),
+            "pss_runtime_bytes": win[-1].get("pss_runtime_bytes"),
+            "weights": _weight_bytes(export_dir, chunk, eager),
+            "saved_activation_bytes": chunk["saved_activation_bytes"],
+            "link_mbit": _push_rate(pushes, export_dir, manifest),
+        }
+    return build_profile(handle.name, hello, runs, next(iter(cal.values())))
+
+
+def _push_rate(pushes: list, export_dir: Path, manifest: dict) -> float | None:
+    """Mbit/s of the largest file pushed (the time since the event before it), if any was sent."""
+    sizes = {f["path"]: f["size"] for f in manifest["files"]}
+    best = None
+    for (t0, _), (t1, data) in zip(pushes, pushes[1:]):
+        if data.get("sent") and data.get("file") in sizes and t1 > t0:
+            size = sizes[data["file"]]
+            if best is None or size > best[0]:
+                best = (size, size * 8 / (t1 - t0) / 1e6)
+    return None if best is None or best[0] < 1 << 16 else round(best[1], 1)  # a tiny file times the round trip
+
+
+def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Path) -> dict:
+    """Fit the per-layer and fixed costs from the calibration runs (pure: the numbers in, the profile out)."""
+    a, b = (runs[n] for n in CAL_LAYERS)
+    dn = CAL_LAYERS[1] - CAL_LAYERS[0]
+
+    def fit(key):
+        per = max((b[key] - a[key]) / dn, 0.0)
+        return per, max(a[key] - CAL_LAYERS[0] * per, 0.0)
+
+    p1_layer, p1_fixed = fit("phase1_s")
+    p2_layer, p2_fixed = fit("phase2_s")
+    st_layer, st_fixed = fit("step_s")
+    if p1_layer + p2_layer <= 0:  # timer noise swamped the difference: share the time out by layers
+        p1_layer, p2_layer = a["phase1_s"] / CAL_LAYERS[0] / 2, a["phase2_s"] / CAL_LAYERS[0] / 2
+    wa, wb = a["weights"], b["weights"]
+    layer_bytes = (wb["layers"] - wa["layers"]) // dn
+    saved_layer = max((b["saved_activation_bytes"] - a["saved_activation_bytes"]) // dn, 0)
+    # what a layer adds to the peak beyond its weights: the measured slope (program, arenas, saved
+    # activations as the kernel counts them), never less than the export's saved activations
+    act_layer = max((b["rss_peak_bytes"] - a["rss_peak_bytes"]) // dn - layer_bytes, saved_layer)
+    runtime = a["pss_runtime_bytes"] or 0
+    # everything the 1-layer stage's peak holds beyond runtime, weights and one layer's saved activations
+    act_fixed = a["rss_peak_bytes"] - runtime - wa["readout"] - wa["embed"] - CAL_LAYERS[0] * (layer_bytes + act_layer)
+    manifest = json.loads((Path(export_dir) / "manifest.json").read_text())
+    return {
+        "format": PROFILE_FORMAT, "device": name, "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "hello": {k: hello.get(k) for k in ("runtime_version", "os", "model", "cores", "memory_bytes",
+                                            "memory_budget_bytes", "cpu_share", "capabilities")},
+        "budget_bytes": hello.get("memory_budget_bytes") or hello.get("memory_bytes"),
+        "export": {k: manifest["export"].get(k) for k in EXPORT_KEYS},
+        "model_config": {k: manifest["model"]["config"][k] for k in ("hidden_size", "vocab_size")},
+        "runs": {str(n): r for n, r in runs.items()},
+        "fit": {"phase1_layer_s": p1_layer, "phase1_fixed_s": p1_fixed, "phase2_layer_s": p2_layer,
+                "phase2_fixed_s": p2_fixed, "step_layer_s": st_layer, "step_fixed_s": st_fixed,
+                "runtime_bytes": runtime, "readout_bytes": wa["readout"], "embed_bytes": wa["embed"],
+                "layer_bytes": layer_bytes, "act_layer_bytes": act_layer, "act_fixed_bytes": act_fixed,
+                "held_layer_bytes": saved_layer,
+                "peak_1_layer_bytes": a["rss_peak_bytes"], "peak_3_layers_bytes": b["rss_peak_bytes"]},
+        "link_mbit": next((r["link_mbit"] for r in (b, a) if r["link_mbit"]), None),
+    }
+
+
+def phone_model(profile: dict, window_size: int, link_mbit: float | None = None,
+                budget_bytes: int | None = None, scale: float = 1.0) -> PhoneModel:
+    """The planner's view of a profiled phone: times per micro-batch (the window's AdamW step and
+    checkpoint shared out over its micro-batches), `scale` x slower (a measured drift)."""
+    f = profile["fit"]
+    per = (f["phase1_layer_s"] + f["phase2_layer_s"] + f["step_layer_s"] / window_size) * scale
+    fixed = (f["phase1_fixed_s"] + f["phase2_fixed_s"] + f["step_fixed_s"] / window_size) * scale
+    return PhoneModel(name=profile["device"], layer_s=per, fixed_s=fixed,
+                      link_mbit=link_mbit if link_mbit is not None else profile.get("link_mbit"),
+                      budget_bytes=budget_bytes if budget_bytes is not None else profile.get("budget_bytes"),
+                      runtime_bytes=f["runtime_bytes"], readout_bytes=f["readout_bytes"], embed_bytes=f["embed_bytes"],
+                      layer_bytes=f["layer_bytes"], act_fixed_bytes=f["act_fixed_bytes"],
+                      act_layer_bytes=f["act_layer_bytes"], held_layer_bytes=f["held_layer_bytes"])
+
+
+def frame_bytes(profile: dict) -> int:
+    """Bytes of one hidden state on a stage link: h (float32) plus mask, positions and labels (int64)."""
+    e, c = profile["export"], profile["model_config"]
+    return e["micro_batch"] * e["seq_len"] * (4 * c["hidden_size"] + 3 * 8)
+
+
+# ---------------------------------------------------------------- files
+def save_profile(profile: dict, out_dir: Path) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{profile['device']}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(profile, indent=2))
+    tmp.replace(path)
+    return path
+
+
+def load_profiles(folder: Path, names: list[str] | None = None) -> list[dict]:
+    """The profiles in `folder` (those of `names`, in that order, when given)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise ProfileError(f"no profiles folder {folder}: run zl-host profile --devices ... --out {folder} first")
+    found = {}
+    for p in sorted(folder.glob("*.json")):
+        try:
+            d = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise ProfileError(f"{p} is not a readable profile ({e}); delete it and profile that phone again") from None
+        if d.get("format") == PROFILE_FORMAT:
+            found[d["device"]] = d
+    if names is None:
+        if not found:
+            raise ProfileError(f"{folder} holds no profiles: run zl-host profile --devices ... --out {folder} first")
+        return list(found.values())
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise ProfileError(f"no profile for {', '.join(missing)} in {folder} (have: {', '.join(found) or 'none'}): "
+                           f"run zl-host profile --devices {','.join(missing)} --out {folder}")
+    return [found[n] for n in names]
+
+
+def check_matches(profiles: list[dict], export: dict) -> None:
+    """Profiles measured at other settings than the run's do not predict it: refuse them."""
+    for p in profiles:
+        for k in ("seq_len", "micro_batch", "loss_positions", "backend", "base_weights"):
+            if k in export and p["export"].get(k) != export[k]:
+                raise ProfileError(f"{p['device']}'s profile was measured at {k} {p['export'].get(k)}, the run uses "
+                                   f"{export[k]}: profile again with --{k.replace('_', '-')} {export[k]}")

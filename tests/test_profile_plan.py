@@ -1,0 +1,218 @@
+"""zl-host profile on emulated phones end to end (their own runtime, their --mem-limit as budget),
+zl-host plan from those profiles (a plan, a refused set), zl-host run --plan (the plan's phones in
+its order, drift reported), the phone's memory limit enforced, and the drift watch."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from host.cli import main
+from host.data import synthetic_examples
+from host.drift import DriftWatch, describe
+
+MiB = 2**20
+EXPORT = ["--seq-len", "16", "--micro-batch", "2", "--loss-positions", "8", "--backend", "portable"]
+# one layer of the small model (hidden 64, intermediate 128, 2 of 4 heads for k/v), fp32
+LAYER_BYTES = 4 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64)
+
+
+def _error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("zl-host: error:")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def profiled(small_model_dir, tmp_path_factory):
+    """Two emulated phones (limits 700 and 900 MiB) profiled with the small model."""
+    out = tmp_path_factory.mktemp("profiles")
+    rc = main(["profile", "--devices", "emulated:2", "--model", str(small_model_dir), *EXPORT, "--out", str(out),
+               "--reps", "2", "--mem-limit", "700M,900M"])
+    return rc, out
+
+
+def test_profile_two_emulated_phones(profiled, capsys):
+    rc, out = profiled
+    assert rc == 0
+    profiles = {p.stem: json.loads(p.read_text()) for p in out.glob("*.json")}
+    assert set(profiles) == {"emu0", "emu1"}
+    assert profiles["emu0"]["budget_bytes"] == 700 * MiB  # from HELLO memory_budget_bytes = --mem-limit
+    assert profiles["emu1"]["budget_bytes"] == 900 * MiB
+    for p in profiles.values():
+        f = p["fit"]
+        assert f["phase1_layer_s"] + f["phase2_layer_s"] > 0 and f["phase2_fixed_s"] >= 0
+        assert f["layer_bytes"] == LAYER_BYTES            # from the programs' weight files
+        assert f["embed_bytes"] == 512 * 64 * 4
+        assert 50 * MiB < f["runtime_bytes"] < f["peak_1_layer_bytes"] < 700 * MiB
+        for n in ("1", "3"):  # both calibration stages ran their micro-batches on the phone
+            assert p["runs"][n]["phase1_s"] > 0 and p["runs"][n]["phase2_s"] > 0
+        assert p["export"]["seq_len"] == 16 and p["export"]["backend"] == "portable"
+
+
+def test_plan_from_profiles_and_refused_set(profiled, small_model_dir, tmp_path, capsys):
+    _, out = profiled
+    plan_file = tmp_path / "plan.json"
+    capsys.readouterr()
+    assert main(["plan", "--devices", "emu0,emu1", "--profiles", str(out), "--model", str(small_model_dir), *EXPORT,
+                 "--out", str(plan_file)]) == 0
+    printed = capsys.readouterr().out
+    assert "bottleneck" in printed and "emu0" in printed and "emu1" in printed
+    plan = json.loads(plan_file.read_text())
+    assert sorted(plan["devices"]) == ["emu0", "emu1"]
+    ranges = [tuple(map(int, r.split("-"))) for r in plan["chunks"].split(",")]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 2 and len(ranges) == 2
+    for s in plan["stages"]:
+        assert s["memory_bytes"] <= s["budget_bytes"]
+    assert plan["bottleneck_s"] == max(s["time_s"] for s in plan["stages"])
+    # zl-export --chunks reads the plan file
+    from exporter.chunk_spec import chunks_from_arg
+    assert chunks_from_arg(str(plan_file)) == plan["chunks"]
+
+    # the same phones with budgets below what the runtime alone takes: refused, saying what is missing
+    low = tmp_path / "low"
+    low.mkdir()
+    for p in out.glob("*.json"):
+        d = json.loads(p.read_text())
+        d["budget_bytes"] = 100 * MiB
+        (low / p.name).write_text(json.dumps(d))
+    assert main(["plan", "--devices", "emu0,emu1", "--profiles", str(low), "--model", str(small_model_dir), *EXPORT,
+                 "--out", str(tmp_path / "never.json")]) == 2
+    line = _error_line(capsys)
+    assert "cannot hold the 3-layer model" in line and "lacks" in line and "200.0 MiB in all" in line
+    assert not (tmp_path / "never.json").exists()
+
+    # profiles measured at another sequence length do not plan this run
+    assert main(["plan", "--devices", "emu0,emu1", "--profiles", str(out), "--model", str(small_model_dir),
+                 "--seq-len", "32", "--micro-batch", "2", "--backend", "portable"]) == 2
+    assert "measured at seq_len 16" in _error_line(capsys)
+
+
+def test_run_with_plan_uses_its_order_and_reports_drift(profiled, small_export, small_model_dir, tmp_path, capsys):
+    """A plan for three phones (the small export's 0-0,1-1,2-2) whose predictions are 20x too
+    fast: the run puts stage k on the plan's k-th phone and reports the drift."""
+    _, out = profiled
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    base = json.loads((out / "emu0.json").read_text())
+    for name in ("emu0", "emu1", "emu2"):
+        (profiles / f"{name}.json").write_text(json.dumps({**base, "device": name}))
+    from host.plan_cli import make_plan
+    plan, _, _ = make_plan(str(small_model_dir), base["export"], [json.loads((profiles / f"emu{i}.json").read_text())
+                                                   for i in range(3)], 2)
+    plan_json = plan.to_json()
+    plan_json["chunks"] = "0-0,1-1,2-2"
+    order = ["emu2", "emu0", "emu1"]
+    for s, name in zip(plan_json["stages"], order):
+        s["phone"], s["time_s"] = name, s["time_s"] / 20
+    plan_json.update(devices=order, bottleneck_s=max(s["time_s"] for s in plan_json["stages"]),
+                     format="zerolock-plan", model=str(small_model_dir), export=base["export"], schedule="zerolock",
+                     profiles=str(profiles))
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(plan_json))
+    run = tmp_path / "run"
+    data = tmp_path / "train.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(16, seed=3)))
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data), "--devices", "emulated:3",
+                 "--plan", str(plan_file), "--steps", "3", "--window", "2", "--out", str(run)]) == 0
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    on = {r["stage"]: r["device"] for r in recs if r["type"] == "TELEMETRY"}
+    assert on == {0: "emu2", 1: "emu0", 2: "emu1"}
+    drift = [json.loads(line) for line in (run / "drift.jsonl").read_text().splitlines()]
+    assert drift and drift[0]["drift"] > 1.0  # measured far slower than the 20x too fast plan
+    assert drift[0]["replan_gain"] > 0 and drift[0]["replan_chunks"].count(",") == 2
+    assert "drift: window" in capsys.readouterr().err
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["plan"]["devices"] == order and summary["plan"]["drift_reports"]
+
+    # an export that is not the plan's split is refused before any phone starts
+    plan_file.write_text(json.dumps({**plan_json, "chunks": "0-1,2-2"}))
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data), "--devices", "emulated:3",
+                 "--plan", str(plan_file), "--out", str(tmp_path / "r2")]) == 2
+    assert "zl-export --chunks" in _error_line(capsys)
+
+
+def test_phone_mem_limit_is_enforced_and_checked(tmp_path):
+    cmd = [sys.executable, "-m", "zl_mobile.phone", "--name", "tight", "--workdir", str(tmp_path / "w"),
+           "--mdns", "none"]
+    r = subprocess.run([*cmd, "--mem-limit", "lots"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--mem-limit" in r.stderr and "600M" in r.stderr
+    # 40 MiB is less than the runtime itself: the phone is ended as a low-memory killer would
+    r = subprocess.run([*cmd, "--mem-limit", "40M"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 137
+    assert "passed --mem-limit 40.0 MiB" in r.stderr
+
+
+def _window(stage, w, seconds, n=2):
+    return {"kind": "window", "stage": stage, "window": w, "micro_batches": n, "phase1_s": seconds * n / 2,
+            "phase2_s": seconds * n / 2, "step_s": 0.0}
+
+
+def test_drift_watch_reports_beyond_margin_only():
+    plan = {"stages": [{"time_s": 0.10}, {"time_s": 0.09}], "devices": ["a", "b"], "bottleneck_stage": 0,
+            "bottleneck_s": 0.10}
+    seen = []
+
+    class Replanned:
+        chunks, devices, bottleneck_s = "0-9,10-21", ["b", "a"], 0.12
+
+    scales_seen = []
+    watch = DriftWatch(plan, lambda scales: scales_seen.append(scales) or Replanned, margin=0.15, report=seen.append)
+    for k, s in enumerate((0.11, 0.095)):  # window 0: warm-up, never judged
+        watch.on_event("telemetry", _window(k, 0, 5.0 if k else s))
+    for k, s in enumerate((0.11, 0.095)):  # within 15%
+        watch.on_event("telemetry", _window(k, 1, s))
+    assert seen == []
+    for k, s in enumerate((0.10, 0.20)):  # stage 1 throttled: twice the plan's bottleneck
+        watch.on_event("telemetry", _window(k, 2, s))
+    assert len(seen) == 1
+    rec = seen[0]
+    assert rec["measured_stage"] == 1 and rec["drift"] == pytest.approx(1.0)
+    assert scales_seen[0]["b"] == pytest.approx(0.20 / 0.09) and scales_seen[0]["a"] == pytest.approx(1.0)
+    assert rec["replan_gain"] == pytest.approx(0.20 / 0.12)
+    assert "re-plan (0-9,10-21 on b,a)" in describe(rec)
+    for k, s in enumerate((0.10, 0.205)):  # still drifted by about as much: not said again
+        watch.on_event("telemetry", _window(k, 3, s))
+    assert len(seen) == 1
+
+
+def test_profile_fit_recovers_per_layer_and_fixed_costs(tmp_path):
+    """build_profile on known calibration numbers: t(n) = fixed + n x per-layer, step shared out."""
+    from host.profile import build_profile, phone_model
+
+    def run(n):
+        return {"layers": n, "phase1_s": 0.002 + n * 0.001, "phase2_s": 0.010 + n * 0.003, "step_s": 0.020 + n * 0.004,
+                "rss_peak_bytes": 300 * MiB + n * 2 * MiB, "pss_runtime_bytes": 200 * MiB,
+                "weights": {"embed": 128 * 1024, "readout": 96 * 1024, "layers": n * 150_000},
+                "saved_activation_bytes": 50_000 + n * 120_000, "link_mbit": 400.0}
+
+    hello = {"memory_bytes": 8 << 30, "memory_budget_bytes": 700 * MiB}
+    (tmp_path / "manifest.json").write_text(json.dumps({"export": {"seq_len": 16, "micro_batch": 2},
+                                                        "model": {"config": {"hidden_size": 64, "vocab_size": 512}}}))
+    prof = build_profile("p", hello, {1: run(1), 3: run(3)}, tmp_path)
+    f = prof["fit"]
+    assert f["phase1_layer_s"] == pytest.approx(0.001) and f["phase1_fixed_s"] == pytest.approx(0.002)
+    assert f["phase2_layer_s"] == pytest.approx(0.003) and f["phase2_fixed_s"] == pytest.approx(0.010)
+    assert f["layer_bytes"] == 150_000 and f["held_layer_bytes"] == 120_000
+    assert f["act_layer_bytes"] == 2 * MiB - 150_000  # the measured slope beyond the weights
+    assert prof["budget_bytes"] == 700 * MiB and prof["link_mbit"] == 400.0
+    m = phone_model(prof, window_size=4)
+    assert m.layer_s == pytest.approx(0.001 + 0.003 + 0.004 / 4)
+    assert m.fixed_s == pytest.approx(0.002 + 0.010 + 0.020 / 4)
+    # the 1-layer stage's measured peak is what the model says a 1-layer first stage holds
+    assert m.memory_bytes(1, first=True) == 302 * MiB
+
+
+def test_export_chunks_from_a_plan_file(tmp_path):
+    from exporter.chunk_spec import chunks_from_arg
+    from exporter.errors import ChunkSpecError
+
+    assert chunks_from_arg("0-6,7-13,14-21") == "0-6,7-13,14-21"
+    (tmp_path / "spec.txt").write_text("0-3,4-21\n")
+    assert chunks_from_arg(str(tmp_path / "spec.txt")) == "0-3,4-21"
+    (tmp_path / "bad.json").write_text('{"devices": ["a"]}')
+    with pytest.raises(ChunkSpecError, match="no \"chunks\" spec"):
+        chunks_from_arg(str(tmp_path / "bad.json"))

@@ -1,0 +1,90 @@
+"""An emulated phone's memory limit (zl-phone --mem-limit) and the budget a device reports.
+
+A phone has less memory to give than it has: Android kills an app that takes too much. An
+emulated phone with --mem-limit behaves the same way: a watchdog reads its resident set a few
+times a second and ends the process (exit 137, as a kill would) with one line saying why when it
+passes the limit. The limit is the budget the phone reports in HELLO (`memory_budget_bytes`);
+without one the budget is what the kernel says is available (MemAvailable), as Android's app
+reports its available memory."""
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+
+log = logging.getLogger("zl_mobile.memlimit")
+KILLED_EXIT_CODE = 137
+_UNITS = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'600M', '1.5G', '800000k' or plain bytes -> bytes. ValueError (one line) otherwise."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgG]?)(i?[bB])?\s*", text or "")
+    if not m:
+        raise ValueError(f"memory size {text!r} is not a number with an optional unit: give e.g. 600M or 1.5G")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise ValueError(f"memory size {text!r} must be more than 0 bytes")
+    return n
+
+
+def rss_bytes() -> int:
+    """Resident memory now, or the kernel's peak mark (VmHWM) if higher: the mark also catches a
+    peak inside a runtime call, where this thread cannot run (the stage resets the mark after
+    each micro-batch, zl_mobile.telemetry.take_peak_rss_bytes)."""
+    with open("/proc/self/statm") as f:
+        rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return max(rss, int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    return rss
+
+
+def available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where unreadable."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+class MemoryLimit:
+    """The watchdog: start() it once; it ends the process when RSS passes `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int, name: str = "phone", period_s: float = 0.05):
+        self.limit_bytes = limit_bytes
+        self.name = name
+        self.period_s = period_s
+        self.peak = 0
+
+    def start(self) -> "MemoryLimit":
+        threading.Thread(target=self._watch, name="mem-limit", daemon=True).start()
+        return self
+
+    def _watch(self) -> None:
+        while True:
+            rss = rss_bytes()
+            self.peak = max(self.peak, rss)
+            if rss > self.limit_bytes:
+                msg = (f"zl-phone {self.name}: killed: resident memory {rss / 2**20:.1f} MiB passed --mem-limit "
+                       f"{self.limit_bytes / 2**20:.1f} MiB (as a phone's low-memory killer would); give the stage "
+                       "fewer layers (zl-host plan) or the phone a larger limit")
+                log.error(msg)
+                print(msg, file=sys.stderr, flush=True)
+                os._exit(KILLED_EXIT_CODE)
+            time.sleep(self.period_s)
+
+
+def budget_bytes(limit: MemoryLimit | None) -> int | None:
+    """What this device can give: its limit, else what is available."""
+    return limit.limit_bytes if limit is not None else available_bytes()
