@@ -59,6 +59,11 @@ def build_parser():
                         "PyTorch (needs an export made with zl-export --eager-weights; no ExecuTorch needed)")
     p.add_argument("--torch-device", default=None,
                    help="with --backend eager: cpu (default), cuda or cuda:N")
+    p.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds a connection has to authenticate (PROTOCOL.md 6); then it is closed")
+    p.add_argument("--io-timeout", type=float, default=10.0,
+                   help="seconds without a byte inside a frame before the session is dropped (TIMEOUT)")
+    p.add_argument("--max-connections", type=int, default=64, help="connections open at once; more are closed")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -72,6 +77,8 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if a.link_delay_ms < 0:
         parser.error(f"--link-delay-ms must be >= 0, got {a.link_delay_ms:g}")
+    if not (a.handshake_timeout > 0 and a.io_timeout > 0 and a.max_connections >= 1):
+        parser.error("--handshake-timeout and --io-timeout must be > 0 and --max-connections >= 1")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
     if a.cpus:
@@ -106,7 +113,7 @@ def main(argv=None) -> int:
     if threads:
         backend.set_threads(threads)
 
-    from .device import Device, serve
+    from .device import Device, Limits, serve
     from .links import DelayLine
     from .mdns import Advertisement, txt_record
     from .protocol import RateLimiter
@@ -114,7 +121,9 @@ def main(argv=None) -> int:
 
     limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
     delay = DelayLine(a.link_delay_ms / 1000) if a.link_delay_ms > 0 else None
-    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay)
+    limits = Limits(handshake_s=a.handshake_timeout, io_s=a.io_timeout, max_connections=a.max_connections)
+    device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay,
+                    limits=limits)
     adverts = []
 
     def ready(port: int) -> None:
