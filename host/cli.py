@@ -103,6 +103,15 @@ def parse_failures(specs: list[str]) -> list[dict]:
     return out
 
 
+def emulated_count(spec: str) -> int:
+    """N of --devices emulated:N: a whole number of phones, at least 1."""
+    text = spec.split(":", 1)[1].strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise CliError(f"--devices {spec!r}: N in emulated:N must be a whole number of phones (at least 1), "
+                       "e.g. --devices emulated:3")
+    return int(text)
+
+
 def _load_resume(run_dir: Path) -> dict:
     try:
         return json.loads((run_dir / "run.json").read_text())
@@ -130,6 +139,8 @@ def cmd_run(a) -> int:
         if not a.program:
             raise CliError("--program DIR is required (the output of zl-export)")
         program, data, devices_spec = Path(a.program), a.data, a.devices
+        if devices_spec.startswith("emulated:"):
+            emulated_count(devices_spec)  # before anything is loaded
         run_dir = Path(a.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         settings = None
@@ -163,7 +174,7 @@ def cmd_run(a) -> int:
         from .emulate import EmulatedPhone, start_phones
         from .netns import NetnsError
 
-        n = int(devices_spec.split(":", 1)[1])
+        n = emulated_count(devices_spec)
         if n < k:
             raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
         try:
@@ -265,6 +276,13 @@ def cmd_eval(a) -> int:
     base = base_model_path(program, manifest)
     if base is None or not Path(base).is_dir():
         raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: a missing file is an error, not a download
+    from .adapter_check import AdapterError, base_weights_present, check_adapter
+    try:
+        base_weights_present(Path(base))
+        check_adapter(adapter, Path(base), manifest.get("lora"))
+    except AdapterError as e:
+        raise CliError(str(e)) from None
     _, held_out = split_held_out(prepare_data(program, manifest, a.data))
     base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
     before = evaluate(base, None, held_out, base_weights)
