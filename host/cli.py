@@ -66,7 +66,7 @@ def cmd_emulate(a) -> int:
 def prepare_data(export_dir: Path, manifest: dict, data: str | None):
     from transformers import AutoTokenizer
 
-    from .data import DataError, encode_examples, load_examples, make_microbatches
+    from .data import DataError, check_rejected, encode_examples, load_examples, make_microbatches
 
     tok_dir = export_dir / "tokenizer"
     if not tok_dir.is_dir():
@@ -76,6 +76,9 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None):
         raise CliError("--data FILE is required for this model (the built-in synthetic set matches only --model tiny)")
     try:
         examples = load_examples(data)
+        warning = check_rejected(examples)  # most rows bad: refused; some: said, then trained on the rest
+        if warning:
+            console.print(f"zl-host: warning: {warning}", markup=False)
         e = manifest["export"]
         encoded = encode_examples(examples, tok, e["seq_len"])
         mbs = make_microbatches(encoded, e["micro_batch"], e["seq_len"], tok.pad_token_id, drop_last=False)
