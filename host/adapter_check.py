@@ -26,12 +26,6 @@ def check_adapter(adapter: Path, base: Path, manifest_lora: dict | None = None) 
     cfg = _read_config(adapter)
     tensors = _read_shapes(adapter)
     r, targets = cfg["r"], cfg["targets"]
-    if manifest_lora is not None:
-        want_r, want_t = manifest_lora.get("rank"), set(manifest_lora.get("target_modules") or [])
-        if (want_r, want_t) != (r, targets):
-            raise AdapterError(f"{adapter} is a rank-{r} adapter for {', '.join(sorted(targets))}, but this program "
-                               f"was exported with rank {want_r} for {', '.join(sorted(want_t))}: evaluate it with "
-                               "the --program it was trained on")
     linears = _base_linears(base)
     seen: dict[str, set] = {}
     for key, shape in tensors.items():
@@ -63,6 +57,12 @@ def check_adapter(adapter: Path, base: Path, manifest_lora: dict | None = None) 
                            f"{'/'.join(sorted(targets))} layers of the base model"
                            + (f" (missing e.g. {missing[0]})" if missing else "")
                            + ": it was trained for other target modules or another model")
+    if manifest_lora is not None:  # a sound adapter, but for another export of this model
+        want_r, want_t = manifest_lora.get("rank"), set(manifest_lora.get("target_modules") or [])
+        if (want_r, want_t) != (r, targets):
+            raise AdapterError(f"{adapter} is a rank-{r} adapter for {', '.join(sorted(targets))}, but this program "
+                               f"was exported with rank {want_r} for {', '.join(sorted(want_t))}: evaluate it with "
+                               "the --program it was trained on")
 
 
 def _read_config(adapter: Path) -> dict:
