@@ -103,7 +103,7 @@ class FileReceiverTest {
         for (i in 0 until 300L) {
             begin(rx, i, "w${i % 3}.bin", data)
             chunk(rx, i, data.copyOfRange(0, 100))
-            if (i % 50 == 49) rx.abortAll() // the session ended
+            if (i % 50 == 49L) rx.abortAll() // the session ended
         }
         assertTrue(rx.openCount <= 3, "a new FILE_BEGIN for a name closes the one before: ${rx.openCount} open")
         rx.abortAll()

@@ -6,7 +6,6 @@ import org.junit.jupiter.api.Assertions.assertTrue
 import org.junit.jupiter.api.DynamicTest
 import org.junit.jupiter.api.Test
 import org.junit.jupiter.api.TestFactory
-import org.junit.jupiter.api.assertThrows
 import org.zerolock.core.device.StageAssignRules
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.ProtocolException
