@@ -116,18 +116,26 @@ class DeviceServer(
             val reader = FrameReader(c.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
             val writer = FrameWriter(c.getOutputStream().buffered())
             c.soTimeout = handshakeTimeoutMs
-            // one deadline for the whole handshake: a peer trickling a byte now and then never resets it
-            val expired = java.util.concurrent.atomic.AtomicBoolean(false)
-            val deadline = watchdog.schedule({ expired.set(true); try { c.shutdownInput() } catch (_: IOException) {} },
-                handshakeTimeoutMs.toLong(), java.util.concurrent.TimeUnit.MILLISECONDS)
+            // one deadline for the whole handshake: a peer trickling a byte now and then never resets it.
+            // state: 0 running, 1 done in time, 2 expired (the watchdog said TIMEOUT and cut the input)
+            val state = java.util.concurrent.atomic.AtomicInteger(0)
+            val timeoutMsg = Messages.error(ErrorCode.TIMEOUT, "handshake not completed within ${handshakeTimeoutMs / 1000.0} s; " +
+                "a host authenticates right after it connects")
+            val deadline = watchdog.schedule({
+                if (state.compareAndSet(0, 2)) {
+                    try { writer.write(timeoutMsg) } catch (_: Exception) {}
+                    try { c.shutdownInput() } catch (_: IOException) {}
+                }
+            }, handshakeTimeoutMs.toLong(), java.util.concurrent.TimeUnit.MILLISECONDS)
             try {
                 deviceHandshake(reader, writer, auth, info.hello())
+                if (!state.compareAndSet(0, 1)) { auth.releaseSession(); return } // too late: the deadline won
             } catch (e: Exception) {
-                if (e is SocketTimeoutException || expired.get()) {
-                    try { writer.write(Messages.error(ErrorCode.TIMEOUT, "handshake not completed within ${handshakeTimeoutMs / 1000.0} s; a host authenticates right after it connects")) } catch (_: Exception) {}
-                } else if (e is ProtocolException) {
+                if (e is SocketTimeoutException && state.compareAndSet(0, 2)) {
+                    try { writer.write(timeoutMsg) } catch (_: Exception) {}
+                } else if (e is ProtocolException && state.get() != 2) {
                     log("handshake from ${c.remoteSocketAddress} refused: ${e.message}")
-                } else if (e !is IOException) throw e
+                } else if (e !is IOException && e !is ProtocolException) throw e
                 return
             } finally {
                 deadline.cancel(false)
