@@ -53,8 +53,11 @@ def config_from_args(a) -> ExportConfig:
             raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
     if a.loss_positions is not None and not 1 <= a.loss_positions <= a.micro_batch * a.seq_len:
         raise ExportError(f"--loss-positions must be in 1..{a.micro_batch * a.seq_len} (micro-batch x seq-len)")
-    return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha,
-                        target_modules=tuple(m.strip() for m in a.target_modules.split(",") if m.strip()),
+    from .model_checks import check_target_modules
+
+    targets = tuple(m.strip() for m in a.target_modules.split(",") if m.strip())
+    check_target_modules(targets)
+    return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, target_modules=targets,
                         alpha=a.alpha, seq_len=a.seq_len, micro_batch=a.micro_batch,
                         loss_positions=a.loss_positions, backend=a.backend, seed=a.seed,
                         xnnpack_ops=a.xnnpack_ops, base_weights=a.base_weights)
@@ -69,6 +72,12 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)  # torch/transformers deprecation chatter
     args = build_parser().parse_args(argv)
     t0 = time.time()
+    import signal
+    import threading
+
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the temporary folder is removed
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         cfg = config_from_args(args)
         from .export import export_model  # heavy imports after argument checks
@@ -100,6 +109,10 @@ def main(argv=None) -> int:
     except ExportError as e:
         console.print(f"zl-export: error: {e}", style="red", markup=False)
         return 2
+    except KeyboardInterrupt:
+        console.print(f"zl-export: interrupted; nothing was written to {args.out} (run it again to export)",
+                      markup=False)
+        return 130
     except Exception as e:
         from .manifest import ManifestError
 
@@ -107,6 +120,10 @@ def main(argv=None) -> int:
             console.print(f"zl-export: error: {e}", style="red", markup=False)
             return 2
         raise
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 class _hf_config:

@@ -73,11 +73,36 @@ def prepare_out_dir(out: Path) -> Path:
     parent = out.parent
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=parent))
+        remove_stale_partials(parent, out.name)
+        # the pid in the name tells a later run whether the export that made it is still going
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-{os.getpid()}-", dir=parent))
         tmp.chmod(0o755)  # mkdtemp makes it private; the export is an ordinary folder
         return tmp
     except OSError as e:
         raise OutputDirError(f"cannot write into {parent} ({e.strerror}): choose a writable --out directory") from None
+
+
+def remove_stale_partials(parent: Path, name: str) -> list[Path]:
+    """Remove the temporary folders of exports to `name` that were killed before they could clean up
+    (SIGKILL, a power cut): those whose process is gone, and unstamped ones of older versions."""
+    removed = []
+    for p in parent.glob(f".{name}.partial-*"):
+        pid = p.name[len(f".{name}.partial-"):].split("-", 1)[0]
+        if pid.isdigit() and pid != str(os.getpid()) and _alive(int(pid)):
+            continue  # another export to the same place is running right now
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def commit_out_dir(tmp: Path, out: Path) -> None:

@@ -70,6 +70,9 @@ def check_model_dir(path: Path) -> dict:
         raise ModelDirError(f"{path} holds a {cfg.get('model_type')!r} model, not a Llama: {fix}")
     if not sorted(path.glob("*.safetensors")):
         raise ModelDirError(f"{path} has no *.safetensors weights (.bin checkpoints are not read): {fix}")
+    from .model_checks import check_config_values, check_weight_files
+    check_config_values(path, cfg)
+    check_weight_files(path)
     return cfg
 
 
@@ -77,7 +80,13 @@ def load_model_dir(path: Path):
     from transformers import LlamaForCausalLM
 
     check_model_dir(path)
-    model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager")
+    try:
+        model = LlamaForCausalLM.from_pretrained(path, torch_dtype=torch.float32, attn_implementation="eager",
+                                                 local_files_only=True)
+    except (OSError, ValueError, RuntimeError, TypeError, KeyError) as e:  # e.g. weights that do not fit config.json
+        why = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ModelDirError(f"{path}: transformers cannot load the model ({type(e).__name__}: {why}); check that "
+                            "config.json and the weights belong together, or fetch the model files again") from None
     return model.eval()
 
 

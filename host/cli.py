@@ -83,7 +83,7 @@ def cpu_shares(text: str | None, n: int) -> list[float] | None:
 def prepare_data(export_dir: Path, manifest: dict, data: str | None):
     from transformers import AutoTokenizer
 
-    from .data import DataError, encode_examples, load_examples, make_microbatches
+    from .data import DataError, check_rejected, encode_examples, load_examples, make_microbatches
 
     tok_dir = export_dir / "tokenizer"
     if not tok_dir.is_dir():
@@ -93,6 +93,9 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None):
         raise CliError("--data FILE is required for this model (the built-in synthetic set matches only --model tiny)")
     try:
         examples = load_examples(data)
+        warning = check_rejected(examples)  # most rows bad: refused; some: said, then trained on the rest
+        if warning:
+            console.print(f"zl-host: warning: {warning}", markup=False)
         e = manifest["export"]
         encoded = encode_examples(examples, tok, e["seq_len"])
         mbs = make_microbatches(encoded, e["micro_batch"], e["seq_len"], tok.pad_token_id, drop_last=False)
@@ -118,6 +121,15 @@ def parse_failures(specs: list[str]) -> list[dict]:
             raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join(FAILURE_POINTS)}")
         out.append(f)
     return out
+
+
+def emulated_count(spec: str) -> int:
+    """N of --devices emulated:N: a whole number of phones, at least 1."""
+    text = spec.split(":", 1)[1].strip()
+    if not (text.isascii() and text.isdigit()) or int(text) < 1:
+        raise CliError(f"--devices {spec!r}: N in emulated:N must be a whole number of phones (at least 1), "
+                       "e.g. --devices emulated:3")
+    return int(text)
 
 
 def _load_resume(run_dir: Path) -> dict:
@@ -147,6 +159,8 @@ def cmd_run(a) -> int:
         if not a.program:
             raise CliError("--program DIR is required (the output of zl-export)")
         program, data, devices_spec = Path(a.program), a.data, a.devices
+        if devices_spec.startswith("emulated:"):
+            emulated_count(devices_spec)  # before anything is loaded
         run_dir = Path(a.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         settings = None
@@ -187,7 +201,7 @@ def cmd_run(a) -> int:
         from .emulate import EmulatedPhone, start_phones
         from .netns import NetnsError
 
-        n = int(devices_spec.split(":", 1)[1])
+        n = emulated_count(devices_spec)
         if n < k:
             raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
         shares = None if a.resume else cpu_shares(a.cpu_share, n)  # a resumed run's phones keep their arguments
@@ -315,6 +329,13 @@ def cmd_eval(a) -> int:
     base = base_model_path(program, manifest)
     if base is None or not Path(base).is_dir():
         raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
+    os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: a missing file is an error, not a download
+    from .adapter_check import AdapterError, base_weights_present, check_adapter
+    try:
+        base_weights_present(Path(base))
+        check_adapter(adapter, Path(base), manifest.get("lora"))
+    except AdapterError as e:
+        raise CliError(str(e)) from None
     _, held_out = split_held_out(prepare_data(program, manifest, a.data))
     base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
     before = evaluate(base, None, held_out, base_weights)

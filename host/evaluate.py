@@ -16,7 +16,7 @@ def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict]
 
     from exporter.base_weights import quantize_base
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, local_files_only=True).eval()
     quantize_base(model, base_weights)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()

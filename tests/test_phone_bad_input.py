@@ -558,7 +558,7 @@ def test_a_full_disk_is_named_as_such_and_nothing_half_written_stays(tmp_path):
     tid = next(_seq)
     device.handle(Message(MsgType.FILE_BEGIN, {"transfer_id": tid, "name": "big.ptd", "kind": "weights",
                                                "size": len(data), "sha256": _sha(data)}))
-    tr = device._transfers[tid]
+    tr = device.receiver._open[tid]
     tr["fh"] = FullDisk(tr["fh"])
     for off in range(0, len(data), 1 << 20):
         device.handle(Message(MsgType.FILE_CHUNK, {"transfer_id": tid, "offset": off},
@@ -569,4 +569,4 @@ def test_a_full_disk_is_named_as_such_and_nothing_half_written_stays(tmp_path):
     assert "big.ptd" in msg and "No space left on device" in msg and "after 1048576 bytes" in msg
     assert "make room" in msg and "push it again" in msg and "does not follow" not in msg
     files = tmp_path / "files"
-    assert not (files / "big.ptd").exists() and not (files / "big.ptd.part").exists()
+    assert not (files / "big.ptd").exists() and not any((tmp_path / "incoming").iterdir())

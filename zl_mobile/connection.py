@@ -8,8 +8,10 @@ from .protocol import DEFAULT_MAX_FRAME, Message, recv_message, send_message
 
 
 class Connection:
-    def __init__(self, sock: socket.socket, limiter=None, max_frame: int = DEFAULT_MAX_FRAME):
+    def __init__(self, sock: socket.socket, limiter=None, max_frame: int = DEFAULT_MAX_FRAME,
+                 stall_s: float | None = None):
         self.sock = sock
+        self.stall_s = stall_s  # recv: socket.timeout after this long with nothing, TIMEOUT mid-frame
         self.limiter = limiter
         self.max_frame = max_frame
         self._lock = threading.Lock()
@@ -32,7 +34,7 @@ class Connection:
             return False
 
     def recv(self) -> Message:
-        msg = recv_message(self.sock, max_frame=self.max_frame)
+        msg = recv_message(self.sock, max_frame=self.max_frame, stall_s=self.stall_s)
         return msg
 
     def close(self) -> None:

@@ -10,13 +10,15 @@ import logging
 import os
 import socket
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from . import __version__
+from .assign_rules import validate_assign
 from .backends import Backend
 from .connection import Connection
+from .file_receiver import FileReceiver, clear_incoming
 from .program import ProgramError
 from .protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
                        device_handshake)
@@ -29,15 +31,24 @@ log = logging.getLogger("zl_mobile.device")
 from .hashing import sha256_file  # noqa: E402
 
 
+@dataclass(frozen=True)
+class Limits:
+    """How long and how many, against peers that connect and then stall (docs/PROTOCOL.md 6)."""
+    handshake_s: float = 10.0   # the whole handshake, however slowly its bytes trickle in
+    io_s: float = 10.0          # no byte inside a started frame for this long: TIMEOUT
+    max_connections: int = 64   # open at once, authenticated or not
+
+
 class Device:
     """State that outlives host sessions: stored files and the running stage."""
 
     def __init__(self, name: str, workdir: Path, token: str, limiter=None, bind: str = "0.0.0.0",
                  backend: Backend | None = None, link_delay=None, cpu_share: float | None = None,
-                 memory_limit=None):
+                 memory_limit=None, limits: Limits | None = None):
         self.name = name
         self.cpu_share = cpu_share  # the share of one core this process is held to (zl-phone --cpu-share)
         self.memory_limit = memory_limit  # zl_mobile.memlimit.MemoryLimit (zl-phone --mem-limit) or None
+        self.limits = limits or Limits()
         self.backend = backend or Backend()  # the runtime the chunk runs on (zl-phone --backend)
         self.bind = bind  # the stage's data port listens here too
         self.workdir = Path(workdir)
@@ -50,8 +61,15 @@ class Device:
         self.stage_meta: dict | None = None
         self._host: Connection | None = None
         self._lock = threading.Lock()
-        self._transfers: dict[int, dict] = {}
+        self.incoming = self.workdir / "incoming"  # part files of transfers in progress (file_receiver.py)
+        clear_incoming(self.incoming)
+        self.sha_cache = self.workdir / "sha256"  # digests of stored files, by a hash of their name
+        self.sha_cache.mkdir(exist_ok=True)
+        self.receiver = self._new_receiver()
         self._heartbeat_seq = 0
+
+    def _new_receiver(self) -> FileReceiver:
+        return FileReceiver(self.files, self.incoming, device_name=self.name)
 
     # ---- identity
     def hello(self) -> Message:
@@ -59,7 +77,7 @@ class Device:
 
         stored = {}
         for p in sorted(self.files.iterdir()):
-            if p.is_file() and not p.name.endswith(".part"):
+            if p.is_file():
                 stored[p.name] = self._cached_sha(p)
         return Message(MsgType.HELLO, {
             "name": self.name, "protocol_version": 1, "runtime_version": f"zl_mobile {__version__} ({self.backend.label})",
@@ -69,9 +87,8 @@ class Device:
             **({"memory_budget_bytes": b} if (b := budget_bytes(self.memory_limit)) else {})})
 
     def _cached_sha(self, p: Path) -> str:
-        cache = p.with_name(p.name + ".sha256")
-        if p.suffix == ".sha256":
-            return ""
+        # beside the file a 255-byte name plus ".sha256" would pass NAME_MAX: keyed by a hash instead
+        cache = self.sha_cache / hashlib.sha256(p.name.encode()).hexdigest()
         if cache.exists() and cache.stat().st_mtime >= p.stat().st_mtime:
             return cache.read_text().strip()
         digest = sha256_file(p)
@@ -81,20 +98,30 @@ class Device:
     # ---- session
     def serve_connection(self, sock: socket.socket) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # a host that vanished without a FIN (phone off the Wi-Fi) is found by the kernel, not by a read
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         try:
-            hs = device_handshake(sock, self.auth, self.hello())
+            hs = device_handshake(sock, self.auth, self.hello(), timeout=self.limits.handshake_s)
         except (ProtocolError, OSError, ConnectionClosed) as e:
             log.warning("%s: refused a connection: %s", self.name, e)
             sock.close()
             return
-        conn = Connection(sock)
+        # between frames a host may stay quiet (it only listens while a run trains); inside a frame
+        # no byte for io_s seconds is a stall (TIMEOUT); each quiet period drops stale transfers
+        sock.settimeout(None)
+        conn = Connection(sock, stall_s=self.limits.io_s)
+        receiver = self.receiver = self._new_receiver()  # transfers belong to this session
         with self._lock:
             self._host = conn
         log.info("%s: host %s connected", self.name, hs.host_name)
         threading.Thread(target=self._heartbeats, args=(conn,), daemon=True).start()
         try:
             while True:
-                msg = conn.recv()
+                try:
+                    msg = conn.recv()
+                except socket.timeout:
+                    receiver.sweep()
+                    continue
                 try:
                     reply = self.handle(msg)
                 except ProtocolError as e:
@@ -118,6 +145,7 @@ class Device:
         except (ConnectionClosed, OSError):
             log.info("%s: host disconnected", self.name)
         finally:
+            receiver.close()  # abandoned transfers: descriptors closed, part files removed
             with self._lock:
                 if self._host is conn:
                     self._host = None
@@ -125,7 +153,6 @@ class Device:
             conn.close()
 
     def _heartbeats(self, conn: Connection, period: float = 0.5) -> None:
-        import time
         seq = 0
         while not conn.closed and conn.try_send(Message(MsgType.HEARTBEAT, {"seq": seq, "time_ms": int(time.monotonic() * 1000)})):
             seq += 1
@@ -141,11 +168,11 @@ class Device:
         if t == MsgType.HEARTBEAT:
             return Message(MsgType.HEARTBEAT, {"seq": msg["seq"]})
         if t == MsgType.FILE_BEGIN:
-            return self._file_begin(msg)
+            return self.receiver.begin(msg)
         if t == MsgType.FILE_CHUNK:
-            return self._file_chunk(msg)
+            return self.receiver.chunk(msg)
         if t == MsgType.FILE_END:
-            return self._file_end(msg)
+            return self.receiver.end(msg)
         if t == MsgType.STAGE_ASSIGN:
             return self._assign(msg)
         if t == MsgType.STATE_GET:
@@ -155,75 +182,13 @@ class Device:
             return None
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{t.name} is not something a host sends to a device")
 
-    # ---- files
-    def _file_begin(self, msg: Message) -> None:
-        tid = msg["transfer_id"]
-        part = self.files / (msg["name"] + ".part")
-        self._transfers[tid] = {"meta": msg.meta, "path": part, "fh": open(part, "wb"), "size": 0,
-                                "sha": hashlib.sha256(), "ok": True, "why": ""}
-        return None
-
-    def _file_chunk(self, msg: Message) -> None:
-        tr = self._transfers.get(msg["transfer_id"])
-        if tr is None:
-            raise ProtocolError(ErrorCode.UNEXPECTED, f"FILE_CHUNK for unknown transfer {msg['transfer_id']}; send FILE_BEGIN first")
-        if not tr["ok"]:
-            return None  # FILE_END reports the first failure, not the chunks after it
-        data = np.asarray(msg.tensors["data"]).tobytes()
-        if msg["offset"] != tr["size"] or tr["size"] + len(data) > tr["meta"]["size"]:
-            tr["ok"], tr["why"] = False, f"chunk at offset {msg['offset']} does not follow {tr['size']} bytes received"
-            return None
-        try:
-            tr["fh"].write(data)
-        except OSError as e:  # a full disk: say so, not the offset mismatch every later chunk would cause
-            tr["ok"], tr["why"] = False, self._write_failed(tr, e)
-            return None
-        tr["sha"].update(data)
-        tr["size"] += len(data)
-        return None
-
-    def _write_failed(self, tr: dict, e: OSError) -> str:
-        return (f"{tr['meta']['name']}: writing it failed on the device after {tr['size']} bytes "
-                f"({e.strerror or e}); make room in {self.files} and push it again")
-
-    def _file_end(self, msg: Message) -> Message:
-        tid = msg["transfer_id"]
-        tr = self._transfers.pop(tid, None)
-        if tr is None:
-            raise ProtocolError(ErrorCode.UNEXPECTED, f"FILE_END for unknown transfer {tid}")
-        try:
-            tr["fh"].flush()
-            os.fsync(tr["fh"].fileno())
-        except OSError as e:
-            if tr["ok"]:
-                tr["ok"], tr["why"] = False, self._write_failed(tr, e)
-        finally:
-            try:
-                tr["fh"].close()
-            except OSError:
-                pass  # the failed flush already said why
-        meta, digest = tr["meta"], tr["sha"].hexdigest()
-        ok = tr["ok"] and tr["size"] == meta["size"] and digest == meta["sha256"]
-        if ok:
-            os.replace(tr["path"], self.files / meta["name"])
-            log.info("%s: stored %s (%d bytes)", self.name, meta["name"], tr["size"])
-            why = ""
-        else:
-            tr["path"].unlink(missing_ok=True)
-            why = tr["why"] or (f"{meta['name']}: received {tr['size']} bytes with sha256 {digest[:12]}..., expected "
-                                f"{meta['size']} bytes with {meta['sha256'][:12]}...; the file was discarded, push it again")
-            log.warning("%s: rejected file: %s", self.name, why)
-        reply = {"transfer_id": tid, "ok": ok, "size": tr["size"], "sha256": digest}
-        if why:
-            reply["message"] = why
-        return Message(MsgType.FILE_RESULT, reply)
-
     # ---- stage
     def _reject(self, msg: Message, why: str) -> ProtocolError:
         return ProtocolError(ErrorCode.REJECTED, why)
 
     def _assign(self, msg: Message) -> Message:
         meta = msg.meta
+        validate_assign(meta)  # every field, before anything is read, created or started
         manifest_path = self.files / "manifest.json"
         if not manifest_path.exists():
             raise self._reject(msg, "no manifest.json on this device: push the export's manifest before STAGE_ASSIGN")
@@ -294,13 +259,56 @@ class Device:
 
 
 def serve(device: Device, port: int, bind: str = "0.0.0.0", ready=None) -> None:
-    """Accept connections forever; each gets its own thread (the handshake allows one host)."""
+    """Accept connections forever, one thread each (the handshake allows one host). At most
+    device.limits.max_connections at once: the rest are closed at accept. A failing accept
+    (EMFILE: out of descriptors) is logged and retried, never the end of the phone."""
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind((bind, port))
-    srv.listen(8)
+    srv.listen(64)
     if ready is not None:
         ready(srv.getsockname()[1])
+    slots = threading.BoundedSemaphore(device.limits.max_connections)
+    warned = Throttle(5.0)
+
+    def run(sock: socket.socket) -> None:
+        try:
+            device.serve_connection(sock)
+        finally:
+            slots.release()
+
     while True:
-        sock, _ = srv.accept()
-        threading.Thread(target=device.serve_connection, args=(sock,), daemon=True).start()
+        try:
+            sock, peer = srv.accept()
+        except OSError as e:  # EMFILE/ENFILE/ENOMEM, ECONNABORTED: the listener itself is fine
+            if warned():
+                log.warning("%s: accept failed (%s); retrying", device.name, e.strerror or e)
+            time.sleep(0.05)  # the pending connection stays queued: do not spin on it
+            continue
+        if not slots.acquire(blocking=False):
+            if warned():
+                log.warning("%s: %d connections open already; closing the one from %s",
+                            device.name, device.limits.max_connections, peer[0])
+            sock.close()
+            continue
+        try:
+            threading.Thread(target=run, args=(sock,), daemon=True).start()
+        except RuntimeError as e:  # no thread to be had
+            slots.release()
+            sock.close()
+            if warned():
+                log.warning("%s: cannot serve a connection (%s)", device.name, e)
+
+
+class Throttle:
+    """True at most once per `period` seconds: one log line for a flood, not one per connection."""
+
+    def __init__(self, period: float):
+        self.period, self._last = period, -period
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if now - self._last < self.period:
+            return False
+        self._last = now
+        return True

@@ -13,6 +13,7 @@ The host feeding stage 0 is an OutboundLink too, so stage 0 is not a special cas
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import socket
 import threading
@@ -24,6 +25,7 @@ from .protocol import (ConnectionClosed, DeviceAuth, Message, MsgType, ProtocolE
 
 log = logging.getLogger("zl_mobile.links")
 NO_END = 2**53  # "to the end" in REPLAY_REQUEST
+HANDSHAKE_TIMEOUT_S = 10.0  # PROTOCOL.md 6: a link that does not authenticate in time is closed
 
 
 class DelayLine:
@@ -321,15 +323,19 @@ class InboundLink:
         while not self._stop:
             try:
                 sock, _ = self._sock.accept()
-            except OSError:
-                return
+            except OSError as e:
+                if self._stop or e.errno not in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    return
+                time.sleep(0.05)  # out of descriptors: the link is still wanted, retry (its peer stays queued)
+                continue
             threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
         hello = Message(MsgType.HELLO, {"name": self.name, "protocol_version": 1, "runtime_version": "zl_mobile",
                                         "memory_bytes": 0, "capabilities": ["link"]})
         try:
-            hs = device_handshake(sock, self.auth, hello)
+            hs = device_handshake(sock, self.auth, hello, timeout=HANDSHAKE_TIMEOUT_S)
+            sock.settimeout(None)
         except (OSError, ProtocolError, ConnectionClosed) as e:
             log.warning("%s: refused an upstream link: %s", self.name, e)
             sock.close()

@@ -66,6 +66,11 @@ def build_parser():
                    help="memory this phone may use, e.g. 600M or 1.5G: reported as its budget (HELLO "
                         "memory_budget_bytes) and enforced (the process ends, exit 137, when its resident memory "
                         "passes it, as a phone's low-memory killer would)")
+    p.add_argument("--handshake-timeout", type=float, default=10.0,
+                   help="seconds a connection has to authenticate (PROTOCOL.md 6); then it is closed")
+    p.add_argument("--io-timeout", type=float, default=10.0,
+                   help="seconds without a byte inside a frame before the session is dropped (TIMEOUT)")
+    p.add_argument("--max-connections", type=int, default=64, help="connections open at once; more are closed")
     p.add_argument("--verbose", action="store_true")
     return p
 
@@ -79,6 +84,8 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if a.link_delay_ms < 0:
         parser.error(f"--link-delay-ms must be >= 0, got {a.link_delay_ms:g}")
+    if not (a.handshake_timeout > 0 and a.io_timeout > 0 and a.max_connections >= 1):
+        parser.error("--handshake-timeout and --io-timeout must be > 0 and --max-connections >= 1")
     budget = None
     if a.cpu_share is not None:  # first: the imports and loading below run on the budget too
         from .cpu_budget import CpuBudget, CpuBudgetError
@@ -146,7 +153,7 @@ def _main(a, parser, budget) -> int:
     if threads:
         backend.set_threads(threads)
 
-    from .device import Device, serve
+    from .device import Device, Limits, serve
     from .links import DelayLine
     from .mdns import Advertisement, txt_record
     from .protocol import RateLimiter
@@ -154,8 +161,10 @@ def _main(a, parser, budget) -> int:
 
     limiter = RateLimiter(a.rate_mbit * 1e6 / 8) if a.rate_mbit else None
     delay = DelayLine(a.link_delay_ms / 1000) if a.link_delay_ms > 0 else None
+    limits = Limits(handshake_s=a.handshake_timeout, io_s=a.io_timeout, max_connections=a.max_connections)
     device = Device(a.name, workdir, token, limiter=limiter, bind=a.bind, backend=backend, link_delay=delay,
-                    cpu_share=budget.share if budget else None, memory_limit=limit.start() if limit else None)
+                    cpu_share=budget.share if budget else None, memory_limit=limit.start() if limit else None,
+                    limits=limits)
     adverts = []
 
     def ready(port: int) -> None:

@@ -2,14 +2,14 @@
 
 from .batching import (IGNORE_INDEX, Encoded, EncodedList, encode_examples,
                        make_microbatches)
-from .loaders import (DEFAULT_SYNTHETIC_N, DataError, LoadedExamples, ag_news_example,
+from .loaders import (DEFAULT_SYNTHETIC_N, DataError, LoadedExamples, ag_news_example, check_rejected,
                       clean_ag_text, load_ag_news_csv, load_examples, load_jsonl)
 from .synthetic import (LABELS, format_completion, format_prompt, synthetic_examples,
                         synthetic_vocabulary)
 
 __all__ = [
     "IGNORE_INDEX", "Encoded", "EncodedList", "encode_examples", "make_microbatches",
-    "DEFAULT_SYNTHETIC_N", "DataError", "LoadedExamples", "ag_news_example", "clean_ag_text",
+    "DEFAULT_SYNTHETIC_N", "DataError", "LoadedExamples", "ag_news_example", "check_rejected", "clean_ag_text",
     "load_ag_news_csv", "load_examples", "load_jsonl",
     "LABELS", "format_completion", "format_prompt", "synthetic_examples",
     "synthetic_vocabulary",

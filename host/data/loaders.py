@@ -44,15 +44,36 @@ class LoadedExamples(list):
     """A ``list[dict]`` of examples plus provenance: ``source``, ``n_read``, ``rejected``."""
 
     def __init__(self, rows=(), *, source: str = "", n_read: int = 0,
-                 rejected: Counter | None = None):
+                 rejected: Counter | None = None, bad_lines: list | None = None):
         super().__init__(rows)
         self.source = source
         self.n_read = n_read
         self.rejected: Counter = rejected if rejected is not None else Counter()
+        self.bad_lines: list[int] = bad_lines or []  # file line numbers of the first rejected rows
 
     @property
     def n_rejected(self) -> int:
         return sum(self.rejected.values())
+
+    def rejected_summary(self) -> str:
+        """'3 of 4 rows rejected (...; first at lines 2, 3, 4)', or '' when none were."""
+        if not self.n_rejected:
+            return ""
+        where = f"; first at line{'s' if len(self.bad_lines) > 1 else ''} {', '.join(map(str, self.bad_lines))}" \
+            if self.bad_lines else ""
+        return f"{self.source}: {self.n_rejected} of {self.n_read} rows rejected ({_reasons(self.rejected)}{where})"
+
+
+MAX_REJECTED_FRACTION = 0.5  # more bad rows than this and the file is refused, not silently thinned
+
+
+def check_rejected(examples: "LoadedExamples") -> str:
+    """Raise DataError when most rows were rejected; return a warning line when some were."""
+    line = examples.rejected_summary()
+    if line and examples.n_rejected > MAX_REJECTED_FRACTION * examples.n_read:
+        raise DataError(f"{line}; fix or remove those rows: refusing to train on the {len(examples)} usable "
+                        f"row{'s' if len(examples) != 1 else ''} left")
+    return line
 
 
 def _reasons(rejected: Counter) -> str:
@@ -105,6 +126,12 @@ def load_ag_news_csv(path: str) -> LoadedExamples:
     n_read = 0
     with open(path, newline="", encoding="utf-8-sig") as f:
         reader = csv.reader(f)
+        bad_lines: list[int] = []
+
+        def reject(why: str) -> None:
+            rejected[why] += 1
+            if len(bad_lines) < 5:
+                bad_lines.append(reader.line_num)
         first = True
         hf_cols: tuple[int, int] | None = None  # (text column, label column)
         for record in reader:
@@ -123,28 +150,28 @@ def load_ag_news_csv(path: str) -> LoadedExamples:
             if hf_cols is not None:
                 ti, li = hf_cols
                 if len(record) <= max(ti, li):
-                    rejected["rows with too few columns"] += 1
+                    reject("rows with too few columns")
                     continue
                 label = _ag_label(record[li], zero_based=True)
                 title, description = "", record[ti]
                 bad_label = "rows with a label outside 0-3"
             else:
                 if len(record) != 3:
-                    rejected[f"rows with {len(record)} columns instead of 3"] += 1
+                    reject(f"rows with {len(record)} columns instead of 3")
                     continue
                 label = _ag_label(record[0], zero_based=False)
                 title, description = record[1], record[2]
                 bad_label = "rows with a class outside 1-4"
             if label is None:
-                rejected[bad_label] += 1
+                reject(bad_label)
                 continue
             if not clean_ag_text(title) and not clean_ag_text(description):
-                rejected["rows with empty title and description"] += 1
+                reject("rows with empty title and description")
                 continue
             rows.append(ag_news_example(label, title, description))
     if not rows:
         raise _no_usable_rows(path, n_read, rejected, _CSV_FIX)
-    return LoadedExamples(rows, source=path, n_read=n_read, rejected=rejected)
+    return LoadedExamples(rows, source=path, n_read=n_read, rejected=rejected, bad_lines=bad_lines)
 
 
 # ---------------------------------------------------------------- JSONL / JSON
@@ -185,27 +212,32 @@ def load_jsonl(path: str) -> LoadedExamples:
         else:
             records = list(whole)
             parsed_whole = True
+    line_of: list[int | None] = [None] * len(records)  # a JSON array's elements have no line of their own
     if not parsed_whole:
-        for line in content.splitlines():
+        for number, line in enumerate(content.splitlines(), 1):
             if not line.strip():
                 continue
+            line_of.append(number)
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 records.append(_BAD_JSON)
     rows: list[dict] = []
-    for obj in records:
+    bad_lines: list[int] = []
+    for obj, number in zip(records, line_of):
         if obj is _BAD_JSON:
-            rejected["lines that are not valid JSON"] += 1
-            continue
-        row, why = _check_record(obj)
+            row, why = None, "lines that are not valid JSON"
+        else:
+            row, why = _check_record(obj)
         if row is None:
             rejected[why] += 1
+            if number is not None and len(bad_lines) < 5:
+                bad_lines.append(number)
         else:
             rows.append(row)
     if not rows:
         raise _no_usable_rows(path, len(records), rejected, _JSONL_FIX)
-    return LoadedExamples(rows, source=path, n_read=len(records), rejected=rejected)
+    return LoadedExamples(rows, source=path, n_read=len(records), rejected=rejected, bad_lines=bad_lines)
 
 
 _BAD_JSON = object()

@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import secrets
 import socket
+import time
 import threading
 from typing import Callable
 
@@ -263,18 +264,30 @@ def host_handshake(sock: socket.socket, token: bytes | str, host_name: str = "zl
     return hello
 
 
-def device_handshake(sock: socket.socket, auth: DeviceAuth, hello: Message) -> DeviceHandshake:
+def device_handshake(sock: socket.socket, auth: DeviceAuth, hello: Message,
+                     timeout: float | None = None) -> DeviceHandshake:
     """Authenticate the host on `sock` (device side) and send `hello`. Returns the handshake,
     which holds the session slot: close() it when the connection ends. On failure the ERROR is
-    sent (best effort) and the ProtocolError re-raised; the caller closes the socket."""
+    sent (best effort) and the ProtocolError re-raised; the caller closes the socket. With
+    `timeout`, the whole handshake must be done in that many seconds (section 6: TIMEOUT), however
+    slowly the peer trickles its bytes; the socket's timeout is left changed."""
     hs = auth.handshake()
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        for _ in range(2):
-            send_message(sock, hs.handle(recv_message(sock, max_frame=PREAUTH_MAX_FRAME)))
-        send_message(sock, hello)
+        try:
+            for _ in range(2):
+                send_message(sock, hs.handle(recv_message(sock, max_frame=PREAUTH_MAX_FRAME, deadline=deadline)))
+            if deadline is not None:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
+            send_message(sock, hello)
+        except socket.timeout:
+            raise ProtocolError(ErrorCode.TIMEOUT, f"handshake not completed within {timeout:g} s; "
+                                                   "a host authenticates right after it connects") from None
     except ProtocolError as e:
         hs.close()
         try:
+            if deadline is not None:
+                sock.settimeout(1.0)  # the error may go out after the deadline; a peer not reading gets nothing
             send_message(sock, e.to_message())
         except OSError:
             pass

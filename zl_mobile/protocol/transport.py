@@ -1,6 +1,7 @@
 """Blocking-socket helpers: send_message / recv_message, and a token-bucket RateLimiter."""
 from __future__ import annotations
 
+import select
 import socket
 import struct
 import threading
@@ -86,9 +87,29 @@ def _send(sock: socket.socket, data, limiter: Limiter | None) -> None:
         sock.sendall(piece)
 
 
-def _recv_exact(sock: socket.socket, buf: memoryview, what: str, first: bool) -> None:
+def _readable(sock: socket.socket, seconds: float) -> bool:
+    p = select.poll()  # not select(): a phone may hold descriptors above FD_SETSIZE
+    p.register(sock, select.POLLIN | select.POLLPRI)
+    return bool(p.poll(seconds * 1000))
+
+
+def _recv_exact(sock: socket.socket, buf: memoryview, what: str, first: bool, deadline: float | None = None,
+                stall_s: float | None = None) -> None:
     got = 0
     while got < len(buf):
+        if stall_s is not None and not _readable(sock, stall_s):  # reads only: sends keep their own pace
+            if first and got == 0:
+                raise socket.timeout(f"nothing received for {stall_s:g} s")
+            raise ProtocolError(ErrorCode.TIMEOUT,
+                                f"peer stalled mid-frame ({what}, {got} of {len(buf)} bytes, nothing for "
+                                f"{stall_s:g} s); the connection is unusable, reconnect")
+        if deadline is not None:  # one limit for the whole read: a byte now and then does not extend it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("deadline passed") if first and got == 0 else ProtocolError(
+                    ErrorCode.TIMEOUT, f"peer too slow ({what}, {got} of {len(buf)} bytes by the deadline); "
+                                       "the connection is unusable, reconnect")
+            sock.settimeout(left)
         try:
             n = sock.recv_into(buf[got:])
         except socket.timeout:
@@ -106,15 +127,19 @@ def _recv_exact(sock: socket.socket, buf: memoryview, what: str, first: bool) ->
         got += n
 
 
-def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME) -> Message:
+def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, deadline: float | None = None,
+                 stall_s: float | None = None) -> Message:
     """Read exactly one frame: 16 header bytes, validate them (size limit included), then
     allocate and read the body. Raises ConnectionClosed on EOF between frames, ProtocolError
     otherwise (TRUNCATED on EOF mid-frame, TIMEOUT on a socket timeout mid-frame); a socket
-    timeout before the first byte propagates as socket.timeout (TimeoutError)."""
+    timeout before the first byte propagates as socket.timeout (TimeoutError). With `deadline`
+    (time.monotonic()) the whole frame must arrive by then; the socket's timeout is changed. With
+    `stall_s`, going that long without a byte is a timeout (socket.timeout between frames,
+    TIMEOUT inside one), the socket's own timeout untouched."""
     head_buf = bytearray(HEADER_SIZE)
-    _recv_exact(sock, memoryview(head_buf), "header", first=True)
+    _recv_exact(sock, memoryview(head_buf), "header", first=True, deadline=deadline, stall_s=stall_s)
     head = parse_header(head_buf, max_frame)
     rest = bytearray(head.body_len + TRAILER_SIZE)
-    _recv_exact(sock, memoryview(rest), f"{head.type.name} body", first=False)
+    _recv_exact(sock, memoryview(rest), f"{head.type.name} body", first=False, deadline=deadline, stall_s=stall_s)
     (crc,) = struct.unpack_from("<I", rest, head.body_len)
     return decode_body(head.type, memoryview(rest)[:head.body_len], crc)

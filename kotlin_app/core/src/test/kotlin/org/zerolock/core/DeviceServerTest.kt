@@ -223,4 +223,54 @@ class DeviceServerTest {
             }
         }
     }
+
+    /** Next host-session message that is not the device's own periodic heartbeat. */
+    private fun reply(c: Conn): Message {
+        while (true) { val m = c.r.read(); if (m.type != MsgType.HEARTBEAT) return m }
+    }
+
+    @Test
+    fun `a bad STAGE_ASSIGN field is rejected by name and the session goes on`(@TempDir dir: File) {
+        server(dir).use { srv ->
+            val port = srv.start(0, InetAddress.getLoopbackAddress())
+            Conn(port).use { c ->
+                hostHandshake(c.r, c.w, token, "h"); c.r.maxFrame = Frames.DEFAULT_MAX_FRAME
+                for ((key, value, field) in listOf(Triple("run_id", "../../escape", "run_id"), Triple("run_id", "/tmp/escape_abs", "run_id"),
+                        Triple("window_size", 1L shl 40, "window_size"), Triple("window_size", 0, "window_size"))) {
+                    val m = assign(3)
+                    val bad = Message(MsgType.STAGE_ASSIGN, LinkedHashMap(m.meta).also { it[key] = value })
+                    c.w.write(bad)
+                    val r = reply(c)
+                    assertEquals(MsgType.ERROR, r.type, r.toString()); assertEquals("REJECTED", r.string("code"))
+                    assertEquals(3L, r.long("request_id"))
+                    assertTrue(r.string("message").startsWith("STAGE_ASSIGN $field:"), r.string("message"))
+                }
+                c.w.write(assign(4)) // the same session still takes a good one
+                val ack = reply(c)
+                assertTrue(ack.bool("ok"), ack.toString())
+                c.w.write(Message(MsgType.SHUTDOWN, mapOf("reason" to "done")))
+            }
+            assertTrue(dir.parentFile.listFiles()!!.none { it.name.startsWith("escape") })
+        }
+    }
+
+    @Test
+    fun `a slowloris handshake times out however steadily it trickles`(@TempDir dir: File) {
+        server(dir).use { srv ->
+            srv.handshakeTimeoutMs = 1000
+            val port = srv.start(0, InetAddress.getLoopbackAddress())
+            val frame = Frames.encode(Message(MsgType.AUTH_REQUEST, linkedMapOf(
+                "protocol_version" to 1, "host_nonce" to "ab".repeat(32), "host_name" to "slow")))
+            Conn(port).use { c ->
+                val out = c.s.getOutputStream()
+                val trickle = Thread {
+                    try { for (b in frame) { Thread.sleep(200); out.write(b.toInt()); out.flush() } } catch (_: Exception) {}
+                }.also { it.isDaemon = true; it.start() }
+                val err = c.r.read() // each byte resets a per-read timeout; the deadline is for the whole handshake
+                assertEquals(MsgType.ERROR, err.type, err.toString()); assertEquals("TIMEOUT", err.string("code"))
+                trickle.interrupt()
+            }
+            Conn(port).use { c -> hostHandshake(c.r, c.w, token, "after") } // still serving
+        }
+    }
 }

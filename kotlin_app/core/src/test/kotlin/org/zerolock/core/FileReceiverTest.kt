@@ -41,28 +41,98 @@ class FileReceiverTest {
     }
 
     @Test
-    fun `a full disk is named as such and nothing half-written stays`(@TempDir dir: File) {
+    fun `a full disk is named as such and nothing half-written stays`(@TempDir root: File) {
+        val dir = File(root, "files")
         val replies = push(FileReceiver(dir) { FullDisk(it, room = 2500) }, 1)
         replies.dropLast(1).forEach { assertNull(it, "chunks are not answered; FILE_END reports the first failure") }
         val end = replies.last()!!
         assertEquals(false, end.bool("ok"))
         assertEquals("chunk_0.ptd: writing it failed on the device after 2000 bytes (No space left on device); " +
             "make room in $dir and push it again", end.string("message"))
-        assertEquals(emptyList<String>(), dir.list()!!.toList(), "neither the file nor its .part is left")
+        assertEquals(emptyList<String>(), dir.list()!!.toList(), "the file is not there")
+        assertEquals(emptyList<String>(), File(root, "files.incoming").list()!!.toList(), "nor its part file")
     }
 
     @Test
-    fun `the same push lands where the disk has room`(@TempDir dir: File) {
+    fun `the same push lands where the disk has room`(@TempDir root: File) {
+        val dir = File(root, "files")
         val end = push(FileReceiver(dir) { FullDisk(it, room = data.size) }, 2).last()!!
         assertEquals(true, end.bool("ok"), end.toString())
         assertTrue(File(dir, "chunk_0.ptd").readBytes().contentEquals(data))
-        assertFalse(File(dir, "chunk_0.ptd.part").exists())
+        assertEquals(emptyList<String>(), File(root, "files.incoming").list()!!.toList())
     }
 
     @Test
-    fun `a part file that cannot be created fails the transfer with the reason`(@TempDir dir: File) {
+    fun `a part file that cannot be created fails the transfer with the reason`(@TempDir root: File) {
+        val dir = File(root, "files")
         val end = push(FileReceiver(dir) { throw IOException("Read-only file system") }, 3).last()!!
         assertEquals(false, end.bool("ok"))
         assertTrue(end.string("message").startsWith("chunk_0.ptd: the device could not create it in $dir (Read-only file system)"), end.string("message"))
+    }
+
+    private fun begin(rx: FileReceiver, id: Long, name: String, bytes: ByteArray) = rx.onMessage(Message(MsgType.FILE_BEGIN, linkedMapOf(
+        "transfer_id" to id, "name" to name, "kind" to "other", "size" to bytes.size,
+        "sha256" to Handshake.hex(MessageDigest.getInstance("SHA-256").digest(bytes)))))
+
+    private fun chunk(rx: FileReceiver, id: Long, bytes: ByteArray) =
+        rx.onMessage(Message(MsgType.FILE_CHUNK, linkedMapOf("transfer_id" to id, "offset" to 0), mapOf("data" to Tensor.ofBytes(bytes))))
+
+    private fun end(rx: FileReceiver, id: Long) = rx.onMessage(Message(MsgType.FILE_END, linkedMapOf("transfer_id" to id)))!!
+
+    @Test
+    fun `two uploads to one name cannot both succeed`(@TempDir root: File) {
+        val dir = File(root, "files")
+        val rx = FileReceiver(dir)
+        val a = ByteArray(300) { 1 }
+        val b = ByteArray(300) { 2 }
+        assertNull(begin(rx, 1, "same.bin", a))
+        assertNull(begin(rx, 2, "same.bin", b))
+        assertNull(chunk(rx, 1, a), "chunks of the superseded transfer are dropped")
+        assertNull(chunk(rx, 2, b))
+        val ra = end(rx, 1)
+        assertEquals(false, ra.bool("ok"))
+        assertTrue(ra.string("message").contains("superseded by transfer 2"), ra.string("message"))
+        assertEquals(true, end(rx, 2).bool("ok"))
+        assertTrue(File(dir, "same.bin").readBytes().contentEquals(b))
+    }
+
+    @Test
+    fun `abandoned transfers leave no open file and no part file`(@TempDir root: File) {
+        val dir = File(root, "files")
+        val rx = FileReceiver(dir)
+        for (i in 0 until 300L) {
+            begin(rx, i, "w${i % 3}.bin", data)
+            chunk(rx, i, data.copyOfRange(0, 100))
+            if (i % 50 == 49L) rx.abortAll() // the session ended
+        }
+        assertTrue(rx.openCount <= 3, "a new FILE_BEGIN for a name closes the one before: ${rx.openCount} open")
+        rx.abortAll()
+        assertEquals(0, rx.openCount)
+        assertEquals(emptyList<String>(), File(root, "files.incoming").list()!!.toList())
+        assertEquals(emptyList<String>(), dir.list()!!.toList())
+    }
+
+    @Test
+    fun `open transfers are capped`(@TempDir root: File) {
+        val rx = FileReceiver(File(root, "files"))
+        for (i in 0 until 8L) assertNull(begin(rx, i, "cap$i.bin", data))
+        val r = begin(rx, 8, "cap8.bin", data)!!
+        assertEquals(false, r.bool("ok"))
+        assertTrue(r.string("message").startsWith("8 transfers are already open"), r.string("message"))
+    }
+
+    @Test
+    fun `file names of 251 to 255 bytes are stored`(@TempDir root: File) {
+        val dir = File(root, "files")
+        val rx = FileReceiver(dir)
+        val names = listOf("n".repeat(251), "x".repeat(252), "y".repeat(253), "z".repeat(254), "q".repeat(255), "\u00e9".repeat(127) + "e")
+        for ((i, name) in names.withIndex()) {
+            assertEquals(true, name.toByteArray().size in 251..255)
+            begin(rx, i.toLong(), name, data)
+            chunk(rx, i.toLong(), data)
+            val r = end(rx, i.toLong())
+            assertEquals(true, r.bool("ok"), r.toString())
+            assertTrue(File(dir, name).readBytes().contentEquals(data))
+        }
     }
 }

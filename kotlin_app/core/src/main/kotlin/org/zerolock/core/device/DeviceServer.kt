@@ -64,6 +64,13 @@ class DeviceServer(
     private var bindAddress: InetAddress? = null
     private val files = FileReceiver(filesDir)
     @Volatile private var closed = false
+    /** PROTOCOL.md 6: the whole handshake within this long; at most [maxConnections] open at once. */
+    var handshakeTimeoutMs: Int = Handshake.HANDSHAKE_TIMEOUT_MS
+    var maxConnections: Int = 64
+    private val slots by lazy { java.util.concurrent.Semaphore(maxConnections) }
+    private val watchdog = java.util.concurrent.Executors.newSingleThreadScheduledExecutor { r ->
+        Thread(r, "zl-handshake-deadline").also { it.isDaemon = true }
+    }
 
     val port: Int get() = server?.localPort ?: -1
 
@@ -84,27 +91,54 @@ class DeviceServer(
 
     private fun acceptLoop(s: ServerSocket) {
         while (!closed) {
-            val c = try { s.accept() } catch (e: IOException) { if (closed) return else continue }
-            Thread({ serve(c) }, "zl-conn-${c.port}").also { it.isDaemon = true; it.start() }
+            val c = try { s.accept() } catch (e: IOException) {
+                if (closed) return
+                Thread.sleep(50) // out of descriptors (EMFILE): the connection stays queued; do not spin on it
+                continue
+            }
+            if (!slots.tryAcquire()) { // too many open at once: close this one (PROTOCOL.md 6)
+                try { c.close() } catch (_: IOException) {}
+                continue
+            }
+            try {
+                Thread({ try { serve(c) } finally { slots.release() } }, "zl-conn-${c.port}").also { it.isDaemon = true; it.start() }
+            } catch (e: OutOfMemoryError) { // no thread to be had
+                slots.release()
+                try { c.close() } catch (_: IOException) {}
+            }
         }
     }
 
     private fun serve(sock: Socket) {
         sock.use { c ->
             c.tcpNoDelay = true
+            c.keepAlive = true
             val reader = FrameReader(c.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
             val writer = FrameWriter(c.getOutputStream().buffered())
-            c.soTimeout = Handshake.HANDSHAKE_TIMEOUT_MS
+            c.soTimeout = handshakeTimeoutMs
+            // one deadline for the whole handshake: a peer trickling a byte now and then never resets it.
+            // state: 0 running, 1 done in time, 2 expired (the watchdog said TIMEOUT and cut the input)
+            val state = java.util.concurrent.atomic.AtomicInteger(0)
+            val timeoutMsg = Messages.error(ErrorCode.TIMEOUT, "handshake not completed within ${handshakeTimeoutMs / 1000.0} s; " +
+                "a host authenticates right after it connects")
+            val deadline = watchdog.schedule({
+                if (state.compareAndSet(0, 2)) {
+                    try { writer.write(timeoutMsg) } catch (_: Exception) {}
+                    try { c.shutdownInput() } catch (_: IOException) {}
+                }
+            }, handshakeTimeoutMs.toLong(), java.util.concurrent.TimeUnit.MILLISECONDS)
             try {
                 deviceHandshake(reader, writer, auth, info.hello())
-            } catch (e: SocketTimeoutException) {
-                try { writer.write(Messages.error(ErrorCode.TIMEOUT, "handshake took longer than 10 s")) } catch (_: Exception) {}
+                if (!state.compareAndSet(0, 1)) { auth.releaseSession(); return } // too late: the deadline won
+            } catch (e: Exception) {
+                if (e is SocketTimeoutException && state.compareAndSet(0, 2)) {
+                    try { writer.write(timeoutMsg) } catch (_: Exception) {}
+                } else if (e is ProtocolException && state.get() != 2) {
+                    log("handshake from ${c.remoteSocketAddress} refused: ${e.message}")
+                } else if (e !is IOException && e !is ProtocolException) throw e
                 return
-            } catch (e: ProtocolException) {
-                log("handshake from ${c.remoteSocketAddress} refused: ${e.message}")
-                return
-            } catch (e: IOException) {
-                return
+            } finally {
+                deadline.cancel(false)
             }
             log("host session from ${c.remoteSocketAddress}")
             c.soTimeout = 0
@@ -190,6 +224,7 @@ class DeviceServer(
 
     override fun close() {
         closed = true
+        watchdog.shutdownNow()
         stopStage()
         try { server?.close() } catch (_: IOException) {}
     }

@@ -11,13 +11,27 @@ import java.nio.file.StandardCopyOption
 import java.security.MessageDigest
 
 /**
- * Receives FILE_BEGIN / FILE_CHUNK / FILE_END (PROTOCOL.md 5.2) into [dir]: bytes go to
- * `<name>.part`, are hashed on the way, and on FILE_END a matching size + SHA-256 renames the
- * file into place atomically. Returns the FILE_RESULT to send (null for FILE_CHUNK on success).
- * A failed write (a full disk) fails the transfer with its reason, and the part file is removed;
- * [open] is how a part file is opened (a test passes one that fails like a full disk).
+ * Receives FILE_BEGIN / FILE_CHUNK / FILE_END (PROTOCOL.md 5.2) into [dir]: bytes go to a part
+ * file of its own in [incoming] (short names: a 255-byte file name plus a suffix would pass
+ * NAME_MAX, and two uploads to one name must never share a part file), are hashed on the way,
+ * and on FILE_END a matching size + SHA-256 renames the file into place atomically. Returns the
+ * FILE_RESULT to send (null for FILE_CHUNK on success). A failed write (a full disk) fails the
+ * transfer with its reason, and the part file is removed; [open] is how a part file is opened
+ * (a test passes one that fails like a full disk).
+ *
+ * A transfer the host abandons is closed and its part file removed: at [abortAll] (the session
+ * ended), when a new FILE_BEGIN names the same file or reuses its id (the newest wins; the old
+ * one's FILE_END gets ok=false saying why), as the zl_mobile device does. At most [maxOpen]
+ * transfers are open at once.
  */
-class FileReceiver(private val dir: File, private val open: (File) -> FileOutputStream = ::FileOutputStream) {
+class FileReceiver(
+    private val dir: File,
+    private val incoming: File = File(dir.absoluteFile.parentFile, dir.name + ".incoming"),
+    private val maxOpen: Int = 8,
+    private val open: (File) -> FileOutputStream = ::FileOutputStream,
+) {
+    constructor(dir: File, open: (File) -> FileOutputStream) : this(dir, File(dir.absoluteFile.parentFile, dir.name + ".incoming"), 8, open)
+
     private class Transfer(val name: String, val size: Long, val sha256: String, val part: File, val out: FileOutputStream?) {
         val digest: MessageDigest = MessageDigest.getInstance("SHA-256")
         var received = 0L
@@ -25,6 +39,16 @@ class FileReceiver(private val dir: File, private val open: (File) -> FileOutput
     }
 
     private val transfers = HashMap<Long, Transfer>()
+    private val gone = object : LinkedHashMap<Long, String>() { // abandoned id -> why, for its FILE_END
+        override fun removeEldestEntry(eldest: MutableMap.MutableEntry<Long, String>?) = size > 64
+    }
+
+    init { // part files of an earlier process (killed mid-push) are never finished
+        incoming.listFiles()?.forEach { it.delete() }
+    }
+
+    /** Transfers open now (tests: nothing is left open after abandoning). */
+    val openCount: Int get() = transfers.size
 
     private fun result(id: Long, ok: Boolean, size: Long, sha: String?, message: String? = null): Message {
         val m = linkedMapOf<String, Any?>("transfer_id" to id, "ok" to ok, "size" to size, "sha256" to sha)
@@ -39,12 +63,25 @@ class FileReceiver(private val dir: File, private val open: (File) -> FileOutput
         else -> throw IllegalArgumentException("not a file transfer message: ${m.type}")
     }
 
+    private fun abandon(id: Long, why: String) {
+        transfers.remove(id)?.let { discard(it) }
+        gone[id] = why
+    }
+
     private fun begin(m: Message): Message? {
         val id = m.long("transfer_id")
-        transfers.remove(id)?.let { discard(it) }
-        dir.mkdirs()
         val name = m.string("name") // validated as a plain file name by the schema
-        val part = File(dir, "$name.part")
+        if (transfers.containsKey(id)) abandon(id, "transfer $id was restarted by a new FILE_BEGIN with the same id")
+        for ((other, t) in transfers.entries.toList()) {
+            if (t.name == name) abandon(other, "$name: superseded by transfer $id to the same name; only the last FILE_BEGIN for a name is kept")
+        }
+        gone.remove(id)
+        if (transfers.size >= maxOpen) {
+            return result(id, false, 0, null, "$maxOpen transfers are already open on this device; finish (FILE_END) one before starting another")
+        }
+        dir.mkdirs()
+        incoming.mkdirs()
+        val part = File(incoming, "$id-${System.nanoTime().toString(36)}.part")
         var why: String? = null
         val out = try { open(part) } catch (e: IOException) { why = e.message; null }
         val t = Transfer(name, m.long("size"), m.string("sha256"), part, out)
@@ -52,7 +89,6 @@ class FileReceiver(private val dir: File, private val open: (File) -> FileOutput
         transfers[id] = t
         return null
     }
-
     private fun discard(t: Transfer) {
         try { t.out?.close() } catch (_: IOException) {}
         t.part.delete()
@@ -63,7 +99,8 @@ class FileReceiver(private val dir: File, private val open: (File) -> FileOutput
 
     private fun chunk(m: Message): Message? {
         val id = m.long("transfer_id")
-        val t = transfers[id] ?: return result(id, false, 0, null, "no FILE_BEGIN for transfer $id; start the transfer again")
+        val t = transfers[id] ?: return if (gone.containsKey(id)) null // abandoned: its FILE_END says why
+            else result(id, false, 0, null, "no FILE_BEGIN for transfer $id; start the transfer again")
         if (t.failed != null) return null
         val data = m.tensor("data").data
         val off = m.long("offset")
@@ -82,7 +119,8 @@ class FileReceiver(private val dir: File, private val open: (File) -> FileOutput
 
     private fun end(m: Message): Message {
         val id = m.long("transfer_id")
-        val t = transfers.remove(id) ?: return result(id, false, 0, null, "no FILE_BEGIN for transfer $id; start the transfer again")
+        val t = transfers.remove(id) ?: return result(id, false, 0, null,
+            gone.remove(id)?.let { "$it; push it again" } ?: "no FILE_BEGIN for transfer $id; start the transfer again")
         if (t.failed == null) {
             try { t.out!!.flush(); t.out.fd.sync(); t.out.close() } catch (e: IOException) { t.failed = writeFailed(t, e) }
         }
@@ -101,5 +139,6 @@ class FileReceiver(private val dir: File, private val open: (File) -> FileOutput
     fun abortAll() {
         for (t in transfers.values) discard(t)
         transfers.clear()
+        gone.clear()
     }
 }

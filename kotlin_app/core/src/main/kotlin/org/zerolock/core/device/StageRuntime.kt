@@ -45,6 +45,7 @@ class StageAssignment(val msg: Message) {
     val restart: Boolean = config["restart"] == true
 
     fun check() {
+        StageAssignRules.validate(msg.meta) // every field, before anything is created (PROTOCOL.md 5.3.1)
         fun reject(why: String): Nothing = throw ProtocolException(ErrorCode.REJECTED, why, msg.long("request_id"))
         if (windowSize < 1) reject("window_size must be >= 1")
         if (inflightDepth < 1) reject("inflight_depth must be >= 1")
