@@ -40,6 +40,10 @@ def load_or_create_token(workdir: Path, given: str | None) -> str:
     return token
 
 
+def _terminate(signum, frame):
+    raise KeyboardInterrupt
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="zl-phone", description=__doc__)
     p.add_argument("--name", required=True, help="device name shown to the host")
@@ -70,6 +74,16 @@ def main(argv=None) -> int:
         # Ctrl-C ends the phone cleanly even when a shell started it with SIGINT ignored (a
         # background job of a script), which Python would otherwise keep
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # SIGTERM (how zl-host emulate stops a phone) ends it as cleanly as Ctrl-C: the finally
+        # below withdraws the mDNS advertisement (goodbye packets) instead of leaving it cached
+        signal.signal(signal.SIGTERM, _terminate)
+    from .mdns import InstanceNameError, check_instance_name
+
+    try:
+        check_instance_name(a.name)  # one mDNS label (docs/PROTOCOL.md 7.2), before anything is written
+    except InstanceNameError as e:
+        print(f"zl-phone: error: --name: {e}", file=sys.stderr)
+        return 2
     if a.link_delay_ms < 0:
         parser.error(f"--link-delay-ms must be >= 0, got {a.link_delay_ms:g}")
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
@@ -108,7 +122,7 @@ def main(argv=None) -> int:
 
     from .device import Device, serve
     from .links import DelayLine
-    from .mdns import Advertisement, txt_record
+    from .mdns import Advertisement, advertised_addresses, txt_record
     from .protocol import RateLimiter
     from .telemetry import total_memory_bytes
 
@@ -122,10 +136,12 @@ def main(argv=None) -> int:
         print(f"pairing token: {token}", flush=True)
         if a.mdns != "none":
             interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
-            address = a.bind if a.bind != "0.0.0.0" else "127.0.0.1"
+            addresses = advertised_addresses(a.bind, a.mdns)
             adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes()),
-                                         address=address, interfaces=interfaces))
-            print(f"advertised as {adverts[-1].instance} on {a.mdns}", flush=True)
+                                         addresses=addresses, interfaces=interfaces))
+            ad = adverts[-1]
+            taken = f" (renamed: another device holds {a.name!r})" if ad.renamed else ""
+            print(f"advertised as {ad.presentation} on {a.mdns} at {', '.join(addresses)}{taken}", flush=True)
 
     try:
         serve(device, a.port, bind=a.bind, ready=ready)
