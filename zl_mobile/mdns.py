@@ -186,7 +186,7 @@ def check_txt(props: dict) -> TxtCheck:
     out = TxtCheck("invalid")
     p = value("proto")
     if p is not None:
-        if _DIGITS.fullmatch(p):
+        if _DIGITS.fullmatch(p) and len(p) <= 9:
             out.proto = int(p)
         else:
             problems["proto"] = f"{p!r} is not a protocol version (a whole number)"
