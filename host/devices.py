@@ -103,6 +103,8 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
         return r.ready and (r.endpoint is not None or (r.source == "adb" and links is not None))
 
     warned: set[str] = set()
+    ever: dict[tuple, Reachable] = {}
+    alike: set[str] = set()  # auto: names two usable devices share (never guessed between)
     while True:
         seen, notes = find_devices(timeout=min(2.0, max(0.5, deadline - time.time())), interfaces=interfaces,
                                    want=need if names is None else None)  # a named one: see every namesake
@@ -111,6 +113,8 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                 warned.add(note)
                 print(f"zl-host: warning: {note}", file=sys.stderr)
         usable = [r for r in seen if reachable(r)]
+        for r in seen:  # what any look found, for the message if none is enough (one look may miss some)
+            ever[(r.source, r.endpoint, r.serial, r.instance)] = r
         if names is not None:
             picked = [pick(n, usable) for n in names]
             unknown = [n for n, r in zip(names, picked) if r is None]
@@ -119,12 +123,19 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                 break
         else:
             shared = {r.name for r in usable if sum(o.name == r.name for o in usable) > 1}
+            alike |= shared
             chosen = [r for r in usable if r.name in tokens and r.name not in shared][:need]
             if len(chosen) >= need:
                 break
         if time.time() >= deadline:
+            seen = list(ever.values())
             seen_names = ", ".join(sorted(f"{r.name} ({r.state or r.status})" if not r.ready else r.name for r in seen)) or "none"
             if names is not None:
+                bad = [r for r in seen if unknown and (r.name in unknown or r.instance in unknown) and r.status != "ok"]
+                if bad:
+                    raise DeviceLookupError("; ".join(f"{r.name} at {r.endpoint or '?'} advertises an {r.status} TXT record "
+                                                      f"({r.problem})" for r in bad)
+                                            + ": update the phone's app (docs/PROTOCOL.md 7.3 lists the keys)")
                 waiting = [r for r in seen if r.name in unknown and not r.ready]
                 if any(r.state == "unauthorized" for r in waiting):
                     raise DeviceLookupError(f"{', '.join(r.name for r in waiting)} not ready on adb "
@@ -132,8 +143,8 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                                             "prompt on the phone, then run again")
                 raise DeviceLookupError(f"unknown device(s) {', '.join(unknown)} after {wait_s:.0f} s (seen: {seen_names}); "
                                         "check the names with zl-host devices")
-            amb = f"; left out, named alike: {', '.join(sorted(shared))} (pick them with --devices ADDRESS:PORT,...)" \
-                if shared else ""
+            amb = f"; left out, named alike: {', '.join(sorted(alike))} (pick them with --devices ADDRESS:PORT,...)" \
+                if alike else ""
             raise DeviceLookupError(f"found {len(chosen)} usable device(s) of {need} needed within {wait_s:.0f} s "
                                     f"(seen: {seen_names}; {'; '.join(notes)}{amb}): start more phones "
                                     "(zl-host emulate N) or pass their tokens with --tokens")

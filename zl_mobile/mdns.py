@@ -31,6 +31,12 @@ PROTO = 1  # the wire protocol version this side speaks (docs/PROTOCOL.md)
 LOOPBACK = ["127.0.0.1"]
 MAX_LABEL_BYTES = 63
 MAX_RENAMES = 20
+# how long a phone listens for another responder's answer before it claims a name: a responder
+# multicasts a record at most once a second (RFC 6762 6), so an answer to our question can wait
+# up to 1 s behind the announcement it just made; and zeroconf's own probe (QU, RFC 6762 8.1)
+# is answered by unicast to port 5353, which on a machine with several responders reaches only
+# one of their sockets
+PROBE_MS = 1500
 CPU_SHARE_MAX = 1024.0
 REQUIRED_KEYS = ("name", "proto", "runtime", "mem")
 OPTIONAL_KEYS = ("cpu_share",)
@@ -394,7 +400,7 @@ class Advertisement:
     """One `_zerolock._tcp` service, registered under a name no other responder holds."""
 
     def __init__(self, name: str, port: int, txt: dict[str, str], address: str | None = None,
-                 interfaces=LOOPBACK, addresses: list[str] | None = None, probe_ms: int = 750):
+                 interfaces=LOOPBACK, addresses: list[str] | None = None, probe_ms: int = PROBE_MS):
         from zeroconf import DNSQuestionType, NonUniqueNameException, ServiceInfo
 
         check_instance_name(name)
@@ -406,7 +412,7 @@ class Advertisement:
                 candidate = name if n == 1 else renamed(name, n)
                 full = f"{candidate}.{SERVICE_TYPE}"
                 # another responder already answering for it? (a multicast question: each zeroconf
-                # on this machine hears it, which a unicast probe answer to port 5353 does not ensure)
+                # on this machine hears it and answers by multicast; see PROBE_MS)
                 if self.zc.get_service_info(SERVICE_TYPE, full, timeout=probe_ms, question_type=DNSQuestionType.QM):
                     continue
                 info = ServiceInfo(SERVICE_TYPE, full, addresses=[socket.inet_aton(a) for a in addresses], port=port,
@@ -482,19 +488,23 @@ def found_from(full_name: str, port: int, addresses: list[str], props: dict) -> 
                  addresses=list(addresses), status=status, problem=problem, cpu_share=chk.cpu_share)
 
 
-def browse(timeout: float = 2.0, interfaces=LOOPBACK, until=None) -> list[Found]:
+def browse(timeout: float = 2.0, interfaces=LOOPBACK, until=None, settle_s: float = 0.5) -> list[Found]:
     """Services answering on the given interfaces within `timeout` s (or once `until(found)` is
-    true): every one, valid or not (Found.status says which)."""
+    true of the valid ones, and no new service has turned up for `settle_s`: responders answer a
+    browse within ~120 ms of each other, so a namesake is not missed by stopping at the first):
+    every one, valid or not (Found.status says which)."""
     from zeroconf import ServiceBrowser
 
     zc = _zeroconf(interfaces)
     names: list[str] = []
+    last_new = [time.time()]
     lock = threading.Lock()
 
     class Listener:
         def add_service(self, zc_, type_, name):
             with lock:
                 names.append(name)
+                last_new[0] = time.time()
 
         def update_service(self, *a):
             pass
@@ -514,7 +524,9 @@ def browse(timeout: float = 2.0, interfaces=LOOPBACK, until=None) -> list[Found]
                 if info is None:
                     continue
                 found[n] = found_from(n, info.port or 0, info.parsed_addresses(), info.properties or {})
-            if until is not None and until([f for f in found.values() if f.status == "ok"]):
+            with lock:
+                settled = time.time() - last_new[0] >= settle_s and all(n in found for n in names)
+            if until is not None and settled and until([f for f in found.values() if f.status == "ok"]):
                 break
             time.sleep(0.1)
     finally:
