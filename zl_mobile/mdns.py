@@ -122,7 +122,7 @@ def txt_record(name: str, proto: int, runtime: str, memory_bytes: int, **optiona
     txt = {"name": name, "proto": str(proto), "runtime": runtime, "mem": str(memory_bytes)}
     for k, v in optional.items():
         if v is not None:
-            txt[k] = f"{v:g}" if isinstance(v, float) else str(v)
+            txt[k] = (f"{v:.9f}".rstrip("0").rstrip(".") or "0") if isinstance(v, float) else str(v)  # never 1e-05
     return txt
 
 
