@@ -31,7 +31,7 @@ class Reachable:
     model: str = ""      # adb: the phone's model, when adb reports it
     state: str = ""      # adb: "device" (ready), "unauthorized", "offline", ...
     instance: str = ""   # mdns: the DNS-SD instance label (differs from name after a conflict rename)
-    status: str = "ok"   # mdns: ok | invalid | incompatible (its TXT record, docs/PROTOCOL.md 7.3)
+    status: str = "ok"   # mdns: ok | invalid | incompatible (its TXT record, docs/PROTOCOL.md 10.3)
     problem: str = ""    # mdns: what is wrong with it, when status is not ok
 
     @property
@@ -135,7 +135,7 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                 if bad:
                     raise DeviceLookupError("; ".join(f"{r.name} at {r.endpoint or '?'} advertises an {r.status} TXT record "
                                                       f"({r.problem})" for r in bad)
-                                            + ": update the phone's app (docs/PROTOCOL.md 7.3 lists the keys)")
+                                            + ": update the phone's app (docs/PROTOCOL.md 10.3 lists the keys)")
                 waiting = [r for r in seen if r.name in unknown and not r.ready]
                 if any(r.state == "unauthorized" for r in waiting):
                     raise DeviceLookupError(f"{', '.join(r.name for r in waiting)} not ready on adb "

@@ -86,7 +86,7 @@ def test_run_devices_uses_only_valid_phones_and_says_what_it_skipped(publisher, 
         resolve(f"{TAG}-bad", 1, tokens, wait_s=3, interfaces="127.0.0.1")
     msg = str(e.value)
     assert "\n" not in msg and f"{TAG}-bad at 127.0.0.1:40011 advertises an invalid TXT record" in msg
-    assert "mem '8GB' is not a whole number of bytes" in msg and "docs/PROTOCOL.md 7.3" in msg
+    assert "mem '8GB' is not a whole number of bytes" in msg and "docs/PROTOCOL.md 10.3" in msg
     err = capsys.readouterr().err
     assert f"zl-host: warning: skipped '{TAG}-bad' at 127.0.0.1:40011: invalid TXT record (mem '8GB'" in err
 

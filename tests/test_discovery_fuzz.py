@@ -1,6 +1,6 @@
 """Hypothesis fuzzing of discovery's parsing (zl_mobile/mdns.py), beside the frame fuzzers of
 tests/test_protocol_fuzz.py. Properties: a TXT record of any keys and bytes is checked without an
-exception, and what it accepts is what docs/PROTOCOL.md 7.3 allows (and advertises back the same);
+exception, and what it accepts is what docs/PROTOCOL.md 10.3 allows (and advertises back the same);
 instance-name checking agrees with a plain statement of the rule and escaping round-trips; the
 relabelling of outgoing mDNS packets never raises, keeps any packet it does not understand as it
 was, and leaves zeroconf's reading of the names unchanged while making each instance one label.
@@ -32,7 +32,7 @@ values = st.one_of(st.none(), st.binary(max_size=40),
 
 
 def valid_instance(s: str) -> bool:
-    """docs/PROTOCOL.md 7.2 said plainly: 1-63 bytes of UTF-8, no C0 control character nor DEL."""
+    """docs/PROTOCOL.md 10.2 said plainly: 1-63 bytes of UTF-8, no C0 control character nor DEL."""
     try:
         n = len(s.encode("utf-8"))
     except UnicodeEncodeError:

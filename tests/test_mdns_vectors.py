@@ -1,4 +1,4 @@
-"""docs/PROTOCOL.md section 7 (discovery) on the Python side: tests/vectors/mdns/mdns.json, which
+"""docs/PROTOCOL.md section 10 (discovery) on the Python side: tests/vectors/mdns/mdns.json, which
 the Kotlin core passes too (kotlin_app/core/src/test/kotlin/org/zerolock/core/DiscoveryVectorsTest.kt).
 zl_mobile.mdns.check_txt gets the TXT record as zeroconf hands it over (bytes keys and values,
 None for a key without '=')."""
@@ -51,3 +51,14 @@ def test_instance_name_vector(case):
         with pytest.raises(InstanceNameError) as e:
             check_instance_name(label)
         assert "\n" not in str(e.value) and "use a shorter name" in str(e.value)
+
+
+def test_vectors_file_is_current():
+    import importlib.util
+
+    path = Path(__file__).parent / "vectors" / "mdns" / "make_vectors.py"
+    spec = importlib.util.spec_from_file_location("zl_make_mdns_vectors", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.render() == path.with_name("mdns.json").read_text(encoding="utf-8"), \
+        "tests/vectors/mdns/mdns.json is stale: run python tests/vectors/mdns/make_vectors.py"

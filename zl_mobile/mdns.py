@@ -1,6 +1,6 @@
 """mDNS/DNS-SD: phones advertise `_zerolock._tcp.local.`; the host browses for them.
 
-docs/PROTOCOL.md section 7 is the spec: the service type, the instance name rules and the TXT
+docs/PROTOCOL.md section 10 is the spec: the service type, the instance name rules and the TXT
 keys. This module is the Python side of it (the Kotlin core's `ZeroLockTxt` the other):
 
 * instance names are one DNS label of at most 63 bytes of UTF-8, dots included (RFC 6763 4.1.1);
@@ -118,7 +118,7 @@ def host_label(name: str, salt: str) -> str:
 
 # ---------------------------------------------------------------- TXT records
 def txt_record(name: str, proto: int, runtime: str, memory_bytes: int, **optional) -> dict[str, str]:
-    """What a phone advertises (docs/PROTOCOL.md 7.3); optional keys (cpu_share) when given."""
+    """What a phone advertises (docs/PROTOCOL.md 10.3); optional keys (cpu_share) when given."""
     txt = {"name": name, "proto": str(proto), "runtime": runtime, "mem": str(memory_bytes)}
     for k, v in optional.items():
         if v is not None:
@@ -138,7 +138,7 @@ def parse_txt(props: dict) -> dict[str, str]:
 
 @dataclass
 class TxtCheck:
-    """A TXT record checked against docs/PROTOCOL.md 7.3."""
+    """A TXT record checked against docs/PROTOCOL.md 10.3."""
     status: str                     # "ok", "invalid" (a required key missing or bad), "incompatible" (proto)
     name: str | None = None
     proto: int | None = None
@@ -466,7 +466,7 @@ class Found:
     source: str = "mdns"
     instance: str = ""
     addresses: list[str] = field(default_factory=list)
-    status: str = "ok"               # ok | invalid | incompatible (docs/PROTOCOL.md 7.3)
+    status: str = "ok"               # ok | invalid | incompatible (docs/PROTOCOL.md 10.3)
     problem: str = ""
     cpu_share: float | None = None
 

@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     from .mdns import InstanceNameError, check_instance_name
 
     try:
-        check_instance_name(a.name)  # one mDNS label (docs/PROTOCOL.md 7.2), before anything is written
+        check_instance_name(a.name)  # one mDNS label (docs/PROTOCOL.md 10.2), before anything is written
     except InstanceNameError as e:
         print(f"zl-phone: error: --name: {e}", file=sys.stderr)
         return 2

@@ -78,7 +78,7 @@ data class ZeroLockTxt(
     companion object {
         val KEYS = setOf("name", "proto", "runtime", "mem")
 
-        /** A record of this protocol version, checked as docs/PROTOCOL.md 7.3 says; TxtError names what is wrong. */
+        /** A record of this protocol version, checked as docs/PROTOCOL.md 10.3 says; TxtError names what is wrong. */
         fun fromAttributes(attrs: Map<String, String?>): ZeroLockTxt {
             val c = checkText(attrs)
             if (c.status != TxtCheck.OK) throw DnsSdTxt.TxtError("${c.status} TXT record: ${c.reason}")
@@ -102,7 +102,7 @@ sealed class TxtValue {
     class Raw(val bytes: ByteArray) : TxtValue()
 }
 
-/** A TXT record checked against docs/PROTOCOL.md 7.3: status OK, INVALID or INCOMPATIBLE (another proto). */
+/** A TXT record checked against docs/PROTOCOL.md 10.3: status OK, INVALID or INCOMPATIBLE (another proto). */
 data class TxtCheck(
     val status: String,
     val name: String? = null,
@@ -121,7 +121,7 @@ data class TxtCheck(
     }
 }
 
-/** The `_zerolock._tcp` service (docs/PROTOCOL.md section 7): instance names and TXT keys. */
+/** The `_zerolock._tcp` service (docs/PROTOCOL.md section 10): instance names and TXT keys. */
 object ZeroLockService {
     const val TYPE = "_zerolock._tcp"
     const val TYPE_FQDN = "_zerolock._tcp.local."

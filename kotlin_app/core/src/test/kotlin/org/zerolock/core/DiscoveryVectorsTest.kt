@@ -9,7 +9,7 @@ import org.junit.jupiter.api.DynamicTest
 import org.junit.jupiter.api.Test
 import org.junit.jupiter.api.TestFactory
 
-/** tests/vectors/mdns/mdns.json (docs/PROTOCOL.md section 7): the cases zl_mobile/mdns.py passes too. */
+/** tests/vectors/mdns/mdns.json (docs/PROTOCOL.md section 10): the cases zl_mobile/mdns.py passes too. */
 class DiscoveryVectorsTest {
     private val v = Json.parse(TestSupport.file("tests/vectors/mdns/mdns.json").readText()).asObject()
 
