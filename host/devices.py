@@ -107,7 +107,7 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
     alike: set[str] = set()  # auto: names two usable devices share (never guessed between)
     while True:
         seen, notes = find_devices(timeout=min(2.0, max(0.5, deadline - time.time())), interfaces=interfaces,
-                                   want=need if names is None else None)  # a named one: see every namesake
+                                   want=None)  # a whole look, not the first answers: see every namesake
         for note in notes:
             if note.startswith("skipped ") and note not in warned:
                 warned.add(note)

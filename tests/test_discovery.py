@@ -246,6 +246,36 @@ def test_two_phones_claiming_one_name_at_once_end_up_with_two_names():
             a.close()
 
 
+def test_two_claims_of_one_name_seen_after_announcing_leave_exactly_one_renamed():
+    """RFC 6762 9: two devices that claimed one name without hearing each other (here: without
+    asking first) meet in each other's announcements; the one whose SRV data sorts lower renames."""
+    name = f"{TAG}-clash"
+    renames = []
+    done = threading.Event()
+
+    def on_rename(label):
+        renames.append(label)
+        done.set()
+
+    a = Advertisement(name, 40051, txt_record(name, 1, "fake/x", 5), probe=False, on_rename=on_rename)
+    try:
+        b = Advertisement(name, 40052, txt_record(name, 1, "fake/x", 5), probe=False, on_rename=on_rename)
+        try:
+            assert (a.instance_label, b.instance_label) == (name, name)  # both claimed it
+            assert done.wait(10), "neither device gave way"
+            assert renames == [f"{name} (2)"]
+            loser, winner = (a, b) if (a.info.port, a.info.server) < (b.info.port, b.info.server) else (b, a)
+            assert (loser.instance_label, winner.instance_label) == (f"{name} (2)", name)
+            found = mine(browse(timeout=6, until=lambda fs: len(mine(fs, name)) >= 2), name)
+            assert sorted((f.instance, f.port) for f in found) == sorted(
+                [(name, winner.port), (f"{name} (2)", loser.port)])
+        finally:
+            b.close()
+    finally:
+        a.close()
+    assert renames == [f"{name} (2)"]  # and nobody moved again
+
+
 # ---------------------------------------------------------------- names the phone refuses
 @pytest.mark.parametrize("bad,why", [("x" * 64, "is 64 bytes in UTF-8; an mDNS instance name is at most 63"),
                                      ("\u96fb" * 22, "is 66 bytes in UTF-8"),

@@ -397,37 +397,103 @@ def advertised_addresses(bind: str, mdns: str) -> list[str]:
 
 # ---------------------------------------------------------------- advertising
 class Advertisement:
-    """One `_zerolock._tcp` service, registered under a name no other responder holds."""
+    """One `_zerolock._tcp` service, registered under a name no other responder holds.
+
+    Before it claims a name it asks for it (see PROBE_MS) and zeroconf probes it (RFC 6762 8.1);
+    a taken name becomes "NAME (2)", "NAME (3)", ... Afterwards (RFC 6762 9) it watches for another
+    responder announcing an SRV record for its name with other data (two devices that probed at the
+    same moment): of the two, the one whose SRV data (port, host) sorts lower renames itself, so
+    exactly one moves. `on_rename(label)` is called then (from a background thread)."""
 
     def __init__(self, name: str, port: int, txt: dict[str, str], address: str | None = None,
-                 interfaces=LOOPBACK, addresses: list[str] | None = None, probe_ms: int = PROBE_MS):
-        from zeroconf import DNSQuestionType, NonUniqueNameException, ServiceInfo
-
+                 interfaces=LOOPBACK, addresses: list[str] | None = None, probe_ms: int = PROBE_MS,
+                 on_rename=None, probe: bool = True):
         check_instance_name(name)
-        addresses = addresses or [address or "127.0.0.1"]
         self.requested = name
+        self.port = port
+        self.txt = txt
+        self.addresses = addresses or [address or "127.0.0.1"]
+        self.probe_ms = probe_ms
+        self.probe = probe  # False: claim without asking first (only tests of the conflict handling want that)
+        self.on_rename = on_rename
+        self.lock = threading.Lock()
+        self.closed = False
+        self.renaming = False
+        self.attempt = 0
         self.zc = _zeroconf(interfaces)
         try:
-            for n in range(1, MAX_RENAMES + 1):
-                candidate = name if n == 1 else renamed(name, n)
-                full = f"{candidate}.{SERVICE_TYPE}"
-                # another responder already answering for it? (a multicast question: each zeroconf
-                # on this machine hears it and answers by multicast; see PROBE_MS)
-                if self.zc.get_service_info(SERVICE_TYPE, full, timeout=probe_ms, question_type=DNSQuestionType.QM):
-                    continue
-                info = ServiceInfo(SERVICE_TYPE, full, addresses=[socket.inet_aton(a) for a in addresses], port=port,
-                                   properties=txt, server=f"{host_label(candidate, f'{socket.gethostname()}|{addresses}|{port}')}.local.")
-                try:
-                    self.zc.register_service(info, allow_name_change=False)
-                except NonUniqueNameException:
-                    continue
-                self.info = info
-                return
-            raise AdvertiseError(f"could not advertise {name!r}: it and {MAX_RENAMES - 1} renamed variants are taken on "
-                                 "this network; start the phone with another --name")
+            self.info = self._claim()
+            self._watch()
         except BaseException:
             self.zc.close()
             raise
+
+    def _claim(self):
+        from zeroconf import DNSQuestionType, NonUniqueNameException, ServiceInfo
+
+        while self.attempt < MAX_RENAMES:
+            self.attempt += 1
+            candidate = self.requested if self.attempt == 1 else renamed(self.requested, self.attempt)
+            full = f"{candidate}.{SERVICE_TYPE}"
+            # another responder already answering for it? (a multicast question: each zeroconf
+            # on this machine hears it and answers by multicast; see PROBE_MS)
+            if self.probe and self.zc.get_service_info(SERVICE_TYPE, full, timeout=self.probe_ms,
+                                                       question_type=DNSQuestionType.QM):
+                continue
+            salt = f"{socket.gethostname()}|{self.addresses}|{self.port}"
+            info = ServiceInfo(SERVICE_TYPE, full, addresses=[socket.inet_aton(a) for a in self.addresses],
+                               port=self.port, properties=self.txt, server=f"{host_label(candidate, salt)}.local.")
+            try:
+                self.zc.register_service(info, allow_name_change=False, cooperating_responders=not self.probe)
+            except NonUniqueNameException:
+                continue
+            return info
+        raise AdvertiseError(f"could not advertise {self.requested!r}: it and {MAX_RENAMES - 1} renamed variants are "
+                             "taken on this network; start the phone with another --name")
+
+    def _watch(self) -> None:
+        from zeroconf import RecordUpdateListener
+
+        ad = self
+
+        class Guard(RecordUpdateListener):
+            def async_update_records(self, zc, now, records):
+                for update in records:
+                    rec = update.new
+                    if rec.type == _T_SRV and rec.ttl > 0 and ad._conflicts(rec):
+                        ad._lost_name()
+                        return
+
+        self.zc.add_listener(Guard(), None)
+
+    def _conflicts(self, rec) -> bool:
+        info = self.info
+        if self.renaming or rec.name.lower() != info.name.lower():
+            return False
+        theirs, ours = (rec.port, rec.server.lower()), (info.port, info.server.lower())
+        return theirs != ours and ours < theirs  # the lower one gives way (RFC 6762 8.2 / 9)
+
+    def _lost_name(self) -> None:
+        self.renaming = True
+        threading.Thread(target=self._rename, name="mdns-rename", daemon=True).start()
+
+    def _rename(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            old = self.info
+            try:
+                self.zc.unregister_service(old)
+                self.info = self._claim()
+            except Exception as e:  # noqa: BLE001 - a phone keeps serving; the host can still use ADDRESS:PORT
+                import logging
+                logging.getLogger(__name__).warning("mDNS: lost the name %r to another device and could not "
+                                                    "take another (%s)", instance_of(old.name), e)
+                return
+            finally:
+                self.renaming = False
+        if self.on_rename is not None:
+            self.on_rename(self.instance_label)
 
     @property
     def instance(self) -> str:
@@ -448,10 +514,12 @@ class Advertisement:
 
     def close(self) -> None:
         """Withdraw the service (goodbye packets with TTL 0, RFC 6762 10.1), then stop."""
-        try:
-            self.zc.unregister_service(self.info)
-        finally:
-            self.zc.close()
+        with self.lock:
+            self.closed = True
+            try:
+                self.zc.unregister_service(self.info)
+            finally:
+                self.zc.close()
 
 
 # ---------------------------------------------------------------- browsing

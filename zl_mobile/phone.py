@@ -122,7 +122,7 @@ def main(argv=None) -> int:
 
     from .device import Device, serve
     from .links import DelayLine
-    from .mdns import Advertisement, advertised_addresses, txt_record
+    from .mdns import SERVICE_TYPE, Advertisement, advertised_addresses, escape_instance, txt_record
     from .protocol import RateLimiter
     from .telemetry import total_memory_bytes
 
@@ -138,7 +138,10 @@ def main(argv=None) -> int:
             interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
             addresses = advertised_addresses(a.bind, a.mdns)
             adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes()),
-                                         addresses=addresses, interfaces=interfaces))
+                                         addresses=addresses, interfaces=interfaces,
+                                         on_rename=lambda label: print(f"advertised as {escape_instance(label)}.{SERVICE_TYPE} "
+                                                                       f"now: another device claimed {a.name!r} at the same "
+                                                                       "moment", flush=True)))
             ad = adverts[-1]
             taken = f" (renamed: another device holds {a.name!r})" if ad.renamed else ""
             print(f"advertised as {ad.presentation} on {a.mdns} at {', '.join(addresses)}{taken}", flush=True)
