@@ -14,11 +14,10 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 
-from zl_mobile.mdns import (SERVICE_TYPE, Advertisement, _zeroconf, advertised_addresses, browse, lan_addresses,
+from zl_mobile.mdns import (SERVICE_TYPE, Advertisement, _zeroconf, advertised_addresses, browse,
                             one_label_instances, txt_record)
 from zl_mobile.protocol import host_handshake, new_token
 
@@ -385,3 +384,39 @@ def test_phone_on_0_0_0_0_advertises_its_lan_address_and_says_goodbye_on_sigterm
             proc.kill()
             proc.wait()
         watcher.close()
+
+
+def _start_phone(tmp_path, name, *args):
+    proc = subprocess.Popen([sys.executable, "-m", "zl_mobile.phone", "--name", name, "--workdir", str(tmp_path),
+                             "--token", new_token(), "--threads", "1", *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line.rstrip("\n"))
+        if line.startswith("advertised"):
+            break
+    return proc, lines
+
+
+def test_two_zl_phones_with_one_name_both_reachable(tmp_path):
+    name = f"{TAG}-same"
+    procs = []
+    try:
+        for i in range(2):
+            proc, lines = _start_phone(tmp_path / f"w{i}", name)
+            procs.append(proc)
+            assert lines and lines[-1].startswith("advertised"), lines
+        assert lines[-1] == (f"advertised as {name} (2)._zerolock._tcp.local. on loopback at 127.0.0.1 "
+                             f"(renamed: another device holds '{name}')")
+        found = mine(browse(timeout=6, until=lambda fs: len(mine(fs, name)) >= 2), name)
+        assert sorted(f.instance for f in found) == [name, f"{name} (2)"] and {f.name for f in found} == {name}
+        assert len({f.endpoint for f in found}) == 2
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                assert p.wait(timeout=20) == 0
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
