@@ -335,6 +335,8 @@ def one_label_instances(packet: bytes) -> bytes:
                 w.out += packet[start: end]
             w.out[len_at: len_at + 2] = (len(w.out) - len_at - 2).to_bytes(2, "big")
             off = end
+        if off != len(packet):  # records past the end, or bytes after them: not a message we wrote
+            return packet
         return bytes(w.out) if changed else packet
     except (_Bad, IndexError, ValueError):
         return packet
