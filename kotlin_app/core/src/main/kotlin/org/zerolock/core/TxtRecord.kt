@@ -26,6 +26,24 @@ object DnsSdTxt {
      * occurrence of a key wins; empty strings and strings starting with '=' are ignored; "key"
      * without '=' maps to null (present, no value).
      */
+    /** As [decode], but values stay raw bytes (a value that is not UTF-8 is then reported, not replaced). */
+    fun decodeRaw(data: ByteArray): LinkedHashMap<String, ByteArray?> {
+        val m = LinkedHashMap<String, ByteArray?>()
+        var i = 0
+        while (i < data.size) {
+            val len = data[i].toInt() and 0xff
+            i++
+            if (i + len > data.size) throw TxtError("truncated TXT entry at offset ${i - 1}")
+            val entry = data.copyOfRange(i, i + len)
+            i += len
+            if (entry.isEmpty() || entry[0] == '='.code.toByte()) continue
+            val eq = entry.indexOf('='.code.toByte())
+            val key = String(if (eq < 0) entry else entry.copyOfRange(0, eq), Charsets.US_ASCII).lowercase()
+            if (key !in m) m[key] = if (eq < 0) null else entry.copyOfRange(eq + 1, entry.size)
+        }
+        return m
+    }
+
     fun decode(data: ByteArray): LinkedHashMap<String, String?> {
         val m = LinkedHashMap<String, String?>()
         var i = 0
@@ -89,6 +107,9 @@ data class ZeroLockTxt(
 
         /** Check the attributes NsdServiceInfo.getAttributes() gives (raw values; null: a key without '='). Never throws. */
         fun check(attrs: Map<String, ByteArray?>): TxtCheck = ZeroLockService.checkTxt(attrs.mapValues { (_, v) -> v?.let { TxtValue.Raw(it) } })
+
+        /** Check a TXT record's rdata as it came off the wire; TxtError only if its framing is broken. */
+        fun checkRecord(data: ByteArray): TxtCheck = check(DnsSdTxt.decodeRaw(data))
 
         fun checkText(attrs: Map<String, String?>): TxtCheck = ZeroLockService.checkTxt(attrs.mapValues { (_, v) -> v?.let { TxtValue.Text(it) } })
 
