@@ -34,7 +34,11 @@ def cmd_devices(a) -> int:
                                        else "  (not usable until adb lists it as 'device')")
             print(f"{f.name:16} adb   {'usb, ' + f.state:22} {f.model or 'model unknown':22}{hint}")
             continue
-        print(f"{f.name:16} {f.source:5} {f.endpoint or f.serial or '-':22} proto {f.protocol or '?'}  "
+        shown = f.name if f.instance in ("", f.name) else f"{f.name} [{f.instance}]"  # renamed after a conflict
+        if f.status != "ok":  # a bad TXT record or another protocol: listed, never used
+            print(f"{shown:16} {f.source:5} {f.endpoint or '-':22} {f.status}: {f.problem}")
+            continue
+        print(f"{shown:16} {f.source:5} {f.endpoint or f.serial or '-':22} proto {f.protocol or '?'}  "
               f"{f.runtime:16} {f.memory_bytes / 2**30:.1f} GiB")
     print("looked at: " + "; ".join(notes))
     return 0

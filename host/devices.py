@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -29,10 +30,18 @@ class Reachable:
     serial: str | None = None
     model: str = ""      # adb: the phone's model, when adb reports it
     state: str = ""      # adb: "device" (ready), "unauthorized", "offline", ...
+    instance: str = ""   # mdns: the DNS-SD instance label (differs from name after a conflict rename)
+    status: str = "ok"   # mdns: ok | invalid | incompatible (its TXT record, docs/PROTOCOL.md 10.3)
+    problem: str = ""    # mdns: what is wrong with it, when status is not ok
 
     @property
     def ready(self) -> bool:
-        return self.source != "adb" or self.state == "device"
+        return self.status == "ok" and (self.source != "adb" or self.state == "device")
+
+    @property
+    def label(self) -> str:
+        """How to name this one device on --devices when its name is shared."""
+        return self.serial if self.source == "adb" else (self.endpoint or self.name)
 
 
 def mdns_interfaces(spec: str):
@@ -43,9 +52,17 @@ def find_devices(timeout: float = 2.0, interfaces: str = "loopback", want: int |
     """Everything reachable, plus notes on where we looked (for a plain 'nothing found')."""
     notes = []
     until = (lambda found: len(found) >= want) if want else None
-    found = [Reachable(f.name, "mdns", f.endpoint, f.proto, f.runtime, f.memory_bytes)
+    found = [Reachable(f.name, "mdns", f.endpoint if f.address else None, f.proto, f.runtime, f.memory_bytes,
+                       instance=f.instance, status=f.status, problem=f.problem)
              for f in browse(timeout=timeout, interfaces=mdns_interfaces(interfaces), until=until)]
     notes.append(f"mDNS _zerolock._tcp on {interfaces}: {len(found)} found in {timeout:.0f} s")
+    for r in found:
+        if r.status != "ok":
+            notes.append(f"skipped {r.instance!r} at {r.endpoint or '?'}: {r.status} TXT record ({r.problem})")
+    names = [r.name for r in found if r.status == "ok"]
+    for n in sorted({n for n in names if names.count(n) > 1}):
+        alike = ", ".join(r.endpoint for r in found if r.name == n and r.status == "ok")
+        notes.append(f"{names.count(n)} devices named {n!r} ({alike}): name one by ADDRESS:PORT on --devices")
     from .adb import adb_status
 
     st = adb_status()
@@ -85,21 +102,40 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
     def reachable(r: Reachable) -> bool:
         return r.ready and (r.endpoint is not None or (r.source == "adb" and links is not None))
 
+    warned: set[str] = set()
+    ever: dict[tuple, Reachable] = {}
+    alike: set[str] = set()  # auto: names two usable devices share (never guessed between)
     while True:
-        seen, notes = find_devices(timeout=min(2.0, max(0.5, deadline - time.time())), interfaces=interfaces, want=need)
+        seen, notes = find_devices(timeout=min(2.0, max(0.5, deadline - time.time())), interfaces=interfaces,
+                                   want=None)  # a whole look, not the first answers: see every namesake
+        for note in notes:
+            if note.startswith("skipped ") and note not in warned:
+                warned.add(note)
+                print(f"zl-host: warning: {note}", file=sys.stderr)
+        usable = [r for r in seen if reachable(r)]
+        for r in seen:  # what any look found, for the message if none is enough (one look may miss some)
+            ever[(r.source, r.endpoint, r.serial, r.instance)] = r
         if names is not None:
-            by_name = {r.name: r for r in seen if reachable(r)}
-            unknown = [n for n in names if n not in by_name]
+            picked = [pick(n, usable) for n in names]
+            unknown = [n for n, r in zip(names, picked) if r is None]
             if not unknown:
-                chosen = [by_name[n] for n in names]
+                chosen = picked
                 break
         else:
-            chosen = [r for r in seen if reachable(r) and r.name in tokens][:need]
+            shared = {r.name for r in usable if sum(o.name == r.name for o in usable) > 1}
+            alike |= shared
+            chosen = [r for r in usable if r.name in tokens and r.name not in shared][:need]
             if len(chosen) >= need:
                 break
         if time.time() >= deadline:
-            seen_names = ", ".join(sorted(f"{r.name} ({r.state})" if not r.ready else r.name for r in seen)) or "none"
+            seen = list(ever.values())
+            seen_names = ", ".join(sorted(f"{r.name} ({r.state or r.status})" if not r.ready else r.name for r in seen)) or "none"
             if names is not None:
+                bad = [r for r in seen if unknown and (r.name in unknown or r.instance in unknown) and r.status != "ok"]
+                if bad:
+                    raise DeviceLookupError("; ".join(f"{r.name} at {r.endpoint or '?'} advertises an {r.status} TXT record "
+                                                      f"({r.problem})" for r in bad)
+                                            + ": update the phone's app (docs/PROTOCOL.md 10.3 lists the keys)")
                 waiting = [r for r in seen if r.name in unknown and not r.ready]
                 if any(r.state == "unauthorized" for r in waiting):
                     raise DeviceLookupError(f"{', '.join(r.name for r in waiting)} not ready on adb "
@@ -107,13 +143,20 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                                             "prompt on the phone, then run again")
                 raise DeviceLookupError(f"unknown device(s) {', '.join(unknown)} after {wait_s:.0f} s (seen: {seen_names}); "
                                         "check the names with zl-host devices")
+            amb = f"; left out, named alike: {', '.join(sorted(alike))} (pick them with --devices ADDRESS:PORT,...)" \
+                if alike else ""
             raise DeviceLookupError(f"found {len(chosen)} usable device(s) of {need} needed within {wait_s:.0f} s "
-                                    f"(seen: {seen_names}; {'; '.join(notes)}): start more phones "
+                                    f"(seen: {seen_names}; {'; '.join(notes)}{amb}): start more phones "
                                     "(zl-host emulate N) or pass their tokens with --tokens")
         time.sleep(0.5)
-    missing_token = [r.name for r in chosen if r.name not in tokens]
+
+    def token_of(r: Reachable) -> str | None:
+        return next((tokens[k] for k in (r.endpoint, r.serial, r.instance, r.name) if k and k in tokens), None)
+
+    missing_token = [r.name for r in chosen if token_of(r) is None]
     if missing_token:
         raise DeviceLookupError(f"no pairing token for {', '.join(missing_token)}: pass --tokens FILE (JSON NAME -> token shown on the phone)")
+    dup = {r.name for r in chosen if sum(o.name == r.name for o in chosen) > 1}
     handles = []
     for r in chosen:
         if r.source == "adb":
@@ -123,10 +166,30 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                 memory = read_mem_total_bytes(r.serial, **links.kw)
             except AdbCommandError as e:
                 raise DeviceLookupError(str(e)) from None
-            handles.append(DeviceHandle(r.name, endpoint, tokens[r.name], memory, serial=r.serial))
+            handles.append(DeviceHandle(r.name, endpoint, token_of(r), memory, serial=r.serial))
         else:
-            handles.append(DeviceHandle(r.name, r.endpoint, tokens[r.name], r.memory_bytes))
+            name = f"{r.name}@{r.endpoint}" if r.name in dup else r.name
+            handles.append(DeviceHandle(name, r.endpoint, token_of(r), r.memory_bytes))
     return handles
+
+
+def pick(spec: str, usable: list[Reachable]) -> Reachable | None:
+    """The one device `spec` names: an ADDRESS:PORT, an adb serial, an mDNS instance, or a name.
+    None if none; DeviceLookupError if the name is shared (it says how to name each)."""
+    for key in (lambda r: r.endpoint, lambda r: r.serial):
+        hits = [r for r in usable if key(r) == spec]
+        if len(hits) == 1:
+            return hits[0]
+    hits = [r for r in usable if r.name == spec]
+    if len(hits) > 1:
+        alike = ", ".join(f"{r.label} ({r.source}{', instance ' + repr(r.instance) if r.instance else ''})" for r in hits)
+        raise DeviceLookupError(f"--devices {spec}: {len(hits)} devices are named {spec!r} ({alike}): name the one you "
+                                "mean by ADDRESS:PORT (mDNS) or serial (adb), e.g. --devices "
+                                f"{hits[0].label}; tokens for them may be keyed the same way in --tokens")
+    if hits:
+        return hits[0]
+    hits = [r for r in usable if r.instance == spec]
+    return hits[0] if len(hits) == 1 else None
 
 
 def as_json(found: list[Reachable]) -> str:

@@ -64,7 +64,7 @@ def test_phone_prints_its_pairing_token_and_keeps_it_private(advertised_phone):
     path = workdir / "pairing_token"
     assert path.read_text().strip() == token
     assert path.stat().st_mode & 0o077 == 0, oct(path.stat().st_mode)
-    assert lines[-1] == f"advertised as {name}._zerolock._tcp.local. on loopback"
+    assert lines[-1] == f"advertised as {name}._zerolock._tcp.local. on loopback at 127.0.0.1"
     # the printed token is the one the phone authenticates with
     sock = connect(f"127.0.0.1:{port}")
     sock.settimeout(10)

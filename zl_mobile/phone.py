@@ -40,6 +40,15 @@ def load_or_create_token(workdir: Path, given: str | None) -> str:
     return token
 
 
+_terminated = False
+
+
+def _terminate(signum, frame):
+    global _terminated
+    _terminated = True
+    raise KeyboardInterrupt
+
+
 def build_parser():
     p = argparse.ArgumentParser(prog="zl-phone", description=__doc__)
     p.add_argument("--name", required=True, help="device name shown to the host")
@@ -82,6 +91,16 @@ def main(argv=None) -> int:
         # Ctrl-C ends the phone cleanly even when a shell started it with SIGINT ignored (a
         # background job of a script), which Python would otherwise keep
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # SIGTERM (how zl-host emulate stops a phone) ends it as cleanly as Ctrl-C: the finally
+        # below withdraws the mDNS advertisement (goodbye packets) instead of leaving it cached
+        signal.signal(signal.SIGTERM, _terminate)
+    from .mdns import InstanceNameError, check_instance_name
+
+    try:
+        check_instance_name(a.name)  # one mDNS label (docs/PROTOCOL.md 10.2), before anything is written
+    except InstanceNameError as e:
+        print(f"zl-phone: error: --name: {e}", file=sys.stderr)
+        return 2
     if a.link_delay_ms < 0:
         parser.error(f"--link-delay-ms must be >= 0, got {a.link_delay_ms:g}")
     if not (a.handshake_timeout > 0 and a.io_timeout > 0 and a.max_connections >= 1):
@@ -96,21 +115,17 @@ def main(argv=None) -> int:
             print(f"zl-phone: error: {e}", file=sys.stderr)
             return 2
         try:
-            return _main(a, parser, budget)
+            code = _main(a, parser, budget)
         finally:
-            budget.close()
+            budget.close()  # SIGTERM too: it unwinds to here (_terminate)
+        if _terminated:  # then end as SIGTERM ends a process, as an unbudgeted phone's parent expects
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return code
     return _main(a, parser, None)
 
 
 def _main(a, parser, budget) -> int:
-    if budget is not None and threading.current_thread() is threading.main_thread():
-        # SIGTERM (how the host stops a phone): leave and remove the cgroup, then end as SIGTERM does
-        def on_term(signum, frame):
-            budget.close()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        signal.signal(signal.SIGTERM, on_term)
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
     if a.cpus:
@@ -155,7 +170,7 @@ def _main(a, parser, budget) -> int:
 
     from .device import Device, Limits, serve
     from .links import DelayLine
-    from .mdns import Advertisement, txt_record
+    from .mdns import SERVICE_TYPE, Advertisement, advertised_addresses, escape_instance, txt_record
     from .protocol import RateLimiter
     from .telemetry import total_memory_bytes
 
@@ -173,11 +188,16 @@ def _main(a, parser, budget) -> int:
         print(f"pairing token: {token}", flush=True)
         if a.mdns != "none":
             interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
-            address = a.bind if a.bind != "0.0.0.0" else "127.0.0.1"
-            adverts.append(Advertisement(a.name, port, txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes(),
-                                                                 cpu_share=budget.share if budget else None),
-                                         address=address, interfaces=interfaces))
-            print(f"advertised as {adverts[-1].instance} on {a.mdns}", flush=True)
+            addresses = advertised_addresses(a.bind, a.mdns)
+            txt = txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes(),
+                             cpu_share=budget.share if budget else None)
+            adverts.append(Advertisement(a.name, port, txt, addresses=addresses, interfaces=interfaces,
+                                         on_rename=lambda label: print(f"advertised as {escape_instance(label)}.{SERVICE_TYPE} "
+                                                                       f"now: another device claimed {a.name!r} at the same "
+                                                                       "moment", flush=True)))
+            ad = adverts[-1]
+            taken = f" (renamed: another device holds {a.name!r})" if ad.renamed else ""
+            print(f"advertised as {ad.presentation} on {a.mdns} at {', '.join(addresses)}{taken}", flush=True)
 
     try:
         serve(device, a.port, bind=a.bind, ready=ready)

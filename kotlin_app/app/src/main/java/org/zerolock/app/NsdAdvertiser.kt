@@ -4,6 +4,7 @@ import android.content.Context
 import android.net.nsd.NsdManager
 import android.net.nsd.NsdServiceInfo
 import android.util.Log
+import org.zerolock.core.ZeroLockService
 import org.zerolock.core.ZeroLockTxt
 
 /** Advertises this phone as `_zerolock._tcp` with the ZeroLock TXT record (NsdManager). */
@@ -13,6 +14,12 @@ class NsdAdvertiser(context: Context) {
 
     fun register(port: Int, txt: ZeroLockTxt) {
         unregister()
+        // docs/PROTOCOL.md 10.2: the instance name is one DNS label of <= 63 bytes (NsdManager renames
+        // a taken one "NAME (2)" itself, as zl_mobile does)
+        ZeroLockService.instanceNameProblem(txt.name)?.let {
+            Log.w(TAG, "device name '${txt.name}' $it: not advertised over mDNS; choose a shorter name, or pair over adb")
+            return
+        }
         val info = NsdServiceInfo().apply {
             serviceName = txt.name
             serviceType = SERVICE_TYPE
@@ -36,7 +43,7 @@ class NsdAdvertiser(context: Context) {
     }
 
     companion object {
-        const val SERVICE_TYPE = "_zerolock._tcp"
+        const val SERVICE_TYPE = ZeroLockService.TYPE
         private const val TAG = "ZeroLockNsd"
     }
 }
