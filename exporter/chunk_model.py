@@ -126,7 +126,8 @@ class ChunkModel(nn.Module):
 
     def run_layers(self, h, attention_mask, position_ids):
         allowed = self.causal[None, None] & (attention_mask[:, None, None, :] > 0)
-        mask = torch.where(allowed, 0.0, torch.finfo(h.dtype).min)
+        # an fp32 mask (what the scalars make) for any h: a float64 copy (--verify's reference) adds it as is
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
         pos = self.rotary(h, position_ids)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos)

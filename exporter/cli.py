@@ -65,9 +65,9 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)  # one error = one line, never wrapped
-    import warnings
+    from zl_mobile.quiet import quiet_libraries
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch/transformers deprecation chatter
+    quiet_libraries()  # torchao's, torch's and transformers' messages that are not the user's concern
     args = build_parser().parse_args(argv)
     t0 = time.time()
     try:

@@ -355,6 +355,9 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    from zl_mobile.quiet import quiet_libraries
+
+    quiet_libraries()  # torchao's, torch's and transformers' messages that are not the user's concern
     # SIGTERM (kill, a service manager, a CI timeout) ends a run as Ctrl-C does: phones stopped, adb
     # forwards and reverses removed, the resume hint printed; Python's default would skip all of it
     import signal
