@@ -148,9 +148,9 @@ def _eager_chunk(gguf_path, manifest, k):
 
 
 def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_export, gguf_llama):
-    """h_{k-1} with a massive channel (26,000, as SmolLM2's after layer 19): the exported program
-    passes; the same program with its LoRA dropped, or checked against a weight perturbed by 1e-3,
-    fails, though both differences are far below the massive channel's size."""
+    """h_{k-1} with a massive activation (26,000 at the first token, as SmolLM2's after layer 19):
+    the exported program passes; the same program with its LoRA dropped, or checked against a
+    weight perturbed by 1%, fails, though both differences are far below the massive value."""
     from exporter.chunk_model import example_inputs, input_names, peft_name
     from exporter.verify import (FLOOR, _as64, _float64, eager_outputs, failures, judge, program_outputs, sample_lora,
                                  verify_chunk)
@@ -161,7 +161,7 @@ def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_e
     m = load_manifest(out)
     art, cfg = _eager_chunk(path, m, 1)
     inputs = list(example_inputs(art.chunk, cfg, model.config.vocab_size, model.config.hidden_size, seed=5))
-    inputs[0][..., 7] += 26_000.0  # a massive activation in one channel at every position
+    inputs[0][:, 0, 7] += 26_000.0  # a massive activation at the first token, in one channel
     inputs = tuple(inputs)
 
     class C:
@@ -182,11 +182,12 @@ def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_e
     dh = (dropped["h_out"] - ref["h_out"]).abs().max() / ref["h_out"].abs().max()
     assert dh < 1e-3  # what a max-normalised tolerance of 1e-3 would have let through
 
-    # a perturbed weight: one projection of the layer 1e-3 off
+    # a perturbed weight: the layer's MLP output projection 1% off (on a random-init model its
+    # output is ~1e-3 of h, so h_k moves by ~1e-5 of itself: over fp32's own error, and found)
     with torch.no_grad():
-        art.chunk.layers[0].mlp.down_proj.weight.mul_(1.001)
+        art.chunk.layers[0].mlp.down_proj.weight.mul_(1.01)
     bad = verify_chunk(out, art, cfg, C, inputs=inputs)
-    assert "h_out" in failures(bad) and any(n.startswith("grad:") for n in failures(bad)), bad
+    assert "h_out" in failures(bad) and bad["h_out"]["err"] > 5 * bad["h_out"]["tol"], bad["h_out"]
 
 
 def test_a_failed_verify_leaves_no_complete_looking_export(gguf_llama, tmp_path):
