@@ -258,3 +258,18 @@ def test_eval_and_the_peft_adapter_use_the_gguf_base(gguf_export, gguf_llama, tm
     assert r.returncode == 0, r.stderr[-2000:]
     assert "base model:" in r.stdout and "with adapter:" in r.stdout
     assert _noise(r.stdout + r.stderr) == [], _noise(r.stdout + r.stderr)
+
+
+def test_the_runtime_still_reports_its_errors(gguf_export):
+    """Quieting ExecuTorch's Info messages keeps its Error ones: a method run without its inputs
+    says so on stderr."""
+    out, _ = gguf_export
+    code = ("import json, sys; from pathlib import Path; from zl_mobile.program import ChunkProgram\n"
+            f"out = Path({str(out)!r}); m = json.loads((out / 'manifest.json').read_text())\n"
+            "p = ChunkProgram(out, m['chunks'][1])\n"
+            "try:\n    p._module.run_method('phase1', ())\nexcept RuntimeError:\n    sys.exit(3)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "[executorch E method.cpp" in r.stderr and "has not been set" in r.stderr
+    assert _noise(r.stderr) == [], _noise(r.stderr)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import logging
 import os
-import sys
 import warnings
 
 _installed = False
@@ -115,8 +114,3 @@ def runtime_log_errors_only(libexecutorch_dir: str | None = None) -> bool:
     table.contents.emit_log_message = _sink
     _runtime_quieted = True
     return True
-
-
-if sys.platform != "linux":  # the hook is looked up in libexecutorch.so
-    def runtime_log_errors_only(libexecutorch_dir: str | None = None) -> bool:  # noqa: F811
-        return False
