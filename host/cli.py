@@ -146,6 +146,7 @@ def _load_resume(run_dir: Path) -> dict:
 
 
 def cmd_run(a) -> int:
+    from exporter.errors import ExportError
     from exporter.manifest import ManifestError, load_manifest
 
     from .adapter import base_model_path, write_peft_adapter
@@ -299,7 +300,10 @@ def cmd_run(a) -> int:
                 co.stop_sampling()
             for problem in links.close():
                 console.print(f"zl-host: warning: {problem}", markup=False)
-    base = base_model_path(program, manifest)
+    try:
+        base = base_model_path(program, manifest)
+    except ExportError:  # --model smollm2, its wheel not on this host: the path the export recorded
+        base = manifest["model"].get("path")
     adapter_dir = write_peft_adapter(result["lora"], manifest, run_dir / "adapter", base)
     rows = settings.micro_batches * manifest["export"]["micro_batch"]
     summary = {"run_id": run_id, "program": str(program), "data": data or "synthetic", "windows": settings.windows,
@@ -317,6 +321,7 @@ def cmd_run(a) -> int:
 
 # ---------------------------------------------------------------- eval
 def cmd_eval(a) -> int:
+    from exporter.errors import ModelDirError
     from exporter.manifest import ManifestError, load_manifest
 
     from .adapter import base_model_path
@@ -330,8 +335,11 @@ def cmd_eval(a) -> int:
     adapter = Path(a.adapter)
     if not (adapter / "adapter_config.json").is_file():
         raise CliError(f"{adapter} has no adapter_config.json: pass the adapter/ folder of a zl-host run")
-    base = base_model_path(program, manifest)
-    if base is None or not Path(base).is_dir():
+    try:
+        base = base_model_path(program, manifest)
+    except ModelDirError as e:
+        raise CliError(str(e)) from None
+    if base is None or not Path(base).exists():
         raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
     os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: a missing file is an error, not a download
     from .adapter_check import AdapterError, base_weights_present, check_adapter
@@ -436,6 +444,9 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
+    from zl_mobile.quiet import quiet_libraries
+
+    quiet_libraries()  # torchao's, torch's and transformers' messages that are not the user's concern
     # SIGTERM (kill, a service manager, a CI timeout) ends a run as Ctrl-C does: phones stopped, adb
     # forwards and reverses removed, the resume hint printed; Python's default would skip all of it
     import signal

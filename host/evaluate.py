@@ -9,14 +9,15 @@ import torch
 
 
 def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict], base_weights: str = "fp32") -> dict:
-    """`base_weights`: the export's (manifest "export"): an adapter trained on an int8 base is
+    """`model_dir`: the base model, a HF directory or a GGUF file (host.adapter.base_model_path).
+    `base_weights`: the export's (manifest "export"): an adapter trained on an int8 base is
     evaluated on the same int8 base."""
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
 
     from exporter.base_weights import quantize_base
+    from exporter.model_source import load_base_model
 
-    model = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32, local_files_only=True).eval()
+    model = load_base_model(model_dir)
     quantize_base(model, base_weights)
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
@@ -47,9 +48,10 @@ def split_held_out(micro_batches: list, fraction: float = 0.2) -> tuple[list, li
 def logits_change(model_dir: str, adapter_dir: Path, batch: dict) -> float:
     """Largest change of the logits the adapter makes on one batch (it must not be a no-op)."""
     from peft import PeftModel
-    from transformers import LlamaForCausalLM
 
-    base = LlamaForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    from exporter.model_source import load_base_model
+
+    base = load_base_model(model_dir)
     ids = torch.from_numpy(np.asarray(batch["input_ids"]))
     with torch.no_grad():
         before = base(input_ids=ids).logits

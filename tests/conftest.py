@@ -111,3 +111,44 @@ def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones
             p.stop()
     records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
     return result, records
+
+
+def build_bpe_tokenizer(vocab_size: int = 384):
+    """A byte-level BPE tokenizer (GPT-2 style, as SmolLM2's) trained on the synthetic set: real
+    merges, so a GGUF file can carry it the way llama.cpp writes one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from host.data.synthetic import synthetic_examples
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator([e["prompt"] + e["completion"] for e in synthetic_examples(200, seed=1)], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
+
+
+def write_gguf_llama(path: Path, layers: int = 2, tied: bool = True, seed: int = 11):
+    """A small random Llama with tied embeddings (as SmolLM2) and its BPE tokenizer, written as a
+    GGUF file with the gguf package. Returns (path, the model as written)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from exporter.gguf_model import write_llama_gguf
+    from exporter.model_source import llama_config
+
+    tok = build_bpe_tokenizer()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(num_hidden_layers=layers, vocab_size=len(tok), tie_word_embeddings=tied,
+                                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                                          pad_token_id=tok.pad_token_id)).eval()
+    return write_llama_gguf(model, tok, path), model
+
+
+@pytest.fixture(scope="session")
+def gguf_llama(tmp_path_factory):
+    """(path, model) of a 2-layer random Llama stored as GGUF (tied embeddings, BPE tokenizer)."""
+    return write_gguf_llama(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")

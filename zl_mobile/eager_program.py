@@ -45,7 +45,7 @@ class _Forward(nn.Module):
 
     def forward(self, x, attention_mask, position_ids):
         c = self.chunk
-        h_in = c.embed(x) if c.is_first else x
+        h_in = c.embed_ids(x) if c.is_first else x
         return h_in, c.run_layers(h_in, attention_mask, position_ids)
 
 

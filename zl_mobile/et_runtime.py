@@ -12,4 +12,7 @@ def runtime():
     import torch  # noqa: F401  (the extension links against libtorch: load it first)
     from executorch.extension.pybindings import _C
 
+    from .quiet import runtime_log_errors_only
+
+    runtime_log_errors_only()  # its Info messages ("Failed to open midr file", ...) are not errors
     return _C

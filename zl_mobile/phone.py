@@ -128,6 +128,9 @@ def main(argv=None) -> int:
 def _main(a, parser, budget) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
+    from .quiet import quiet_libraries
+
+    quiet_libraries(transformers=False)  # torchao's and torch's messages that are not errors (eager backend)
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
     threads = a.threads or (len(a.cpus.split(",")) if a.cpus else None)
