@@ -148,9 +148,14 @@ def cmd_run(a) -> int:
             windows = max(1, round(a.epochs * len(train) / a.window))
         settings = RunSettings(windows=windows, window_size=a.window, lr=a.lr, alpha=a.alpha,
                                inflight_depth=a.inflight, heartbeat_timeout=a.heartbeat_timeout,
-                               inject_failure=parse_failures(a.inject_failure), recovery=a.recovery)
-    run_dir.mkdir(parents=True, exist_ok=True)
+                               inject_failure=parse_failures(a.inject_failure), recovery=a.recovery,
+                               replay_horizon=a.replay_horizon)
     k = len(manifest["chunks"])
+    try:
+        settings.checked_horizon(k)  # before any phone starts
+    except PlanError as e:
+        raise CliError(str(e)) from None
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     phones = []
     links = None
@@ -311,6 +316,9 @@ def build_parser():
     r.add_argument("--micro-batches", type=int, default=None, help="instead of --steps: total micro-batches")
     r.add_argument("--window", type=int, default=4, help="micro-batches per update window")
     r.add_argument("--inflight", type=int, default=2, help="hidden states in flight between neighbours")
+    r.add_argument("--replay-horizon", type=int, default=None,
+                   help="most hidden states a stage holds for its downstream's replay; when full it waits for the "
+                        "downstream to commit (default 2 x window + in-flight depth; at least one window)")
     r.add_argument("--lr", type=float, default=2e-3)
     r.add_argument("--alpha", type=float, default=None, help="override the export's task/consistency blend")
     r.add_argument("--out", default=None, help="run dir (default runs/TIMESTAMP)")

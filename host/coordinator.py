@@ -69,6 +69,8 @@ class Coordinator:
         self.on_event = on_event or (lambda kind, data: None)
         self.files = {f["path"]: f for f in self.manifest["files"]}
         sizes = {p: f["size"] for p, f in self.files.items()}
+        # refused before any phone is touched if it could not cover a failure (PlanError)
+        self.horizon = settings.checked_horizon(len(self.chunks))
         ordered = assign_by_memory(self.chunks, devices, sizes)
         self.stages = [StageState(k, d) for k, d in enumerate(ordered)]
         # token of the link into stage k; kept in run.json so a resumed host reaches running stages
@@ -76,8 +78,10 @@ class Coordinator:
         self.metrics = open(self.run_dir / "metrics.jsonl", "a")
         self.feeder: OutboundLink | None = None
         self.errors: list[str] = []
+        self.fatal: list[str] = []  # errors a stage marked fatal: the run stops with them
         self.recoveries: list[dict] = []
         self.started = time.time()
+        self.last_progress = self.started  # the last micro-batch or commit any stage reported
         # adb phones (host.adb_wiring.AdbLinks): forwards, reverses, adb push, dumpsys sampling
         self.links = links
         self.sampler = None
@@ -145,10 +149,10 @@ class Coordinator:
         conf = {"lr": s.lr, "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches,
                 "busy_ms": int(s.compute_timeout * 1000)}
         if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
-            conf["keep_checkpoints"] = s.horizon // s.window_size + 3
+            conf["keep_checkpoints"] = self.horizon // s.window_size + 3
         if s.alpha is not None:
             conf["alpha"] = s.alpha
-        mine = [{"window": f["window"], "point": f.get("point", "after-phase1"),
+        mine = [{"window": f.get("window"), "point": f.get("point", "after-phase1"),
                  **({"seconds": f["seconds"]} if "seconds" in f else {})}
                 for f in (s.inject_failure or []) if f.get("stage") == st.k]
         if mine:
@@ -158,7 +162,7 @@ class Coordinator:
             "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
             "downstream": self._address(st, nxt) if nxt else None,
             "program_sha256": self.files[self._entry(st.k)["program"]]["sha256"],
-            "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": s.horizon,
+            "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": self.horizon,
             "buffer_capacity": s.inflight_depth, "schedule": s.schedule,
             "upstream_token": self.link_tokens[st.k], "config": conf,
         }
@@ -188,10 +192,11 @@ class Coordinator:
             self._push(st)
         for st in reversed(self.stages):  # downstream first: each needs its neighbour's data port
             self._assign(st)
+        # the feed builds each input when stage 0's credits let it go: it holds none, and it can
+        # serve any replay (a restarted stage 0, a global rollback) from the data set
         self.feeder = OutboundLink("host-feed", self.link_tokens[0], window_size=self.settings.window_size,
-                                   replay_horizon=10**9, on_error=self._error, prune_on_commit=False)
-        for mb in range(self.settings.micro_batches):
-            self.feeder.publish(self._input_frame(mb))
+                                   replay_horizon=self.horizon, on_error=self._error, source=self._input_frame,
+                                   source_total=self.settings.micro_batches)
         self.feeder.set_address(self._address(None, self.stages[0]))
         if self.links is not None:
             from .adb_wiring import AdbSampler
@@ -229,9 +234,21 @@ class Coordinator:
                 raise RunError(f"the run did not finish within {self.settings.max_seconds:.0f} s "
                                f"(committed windows per stage: {[s.committed for s in self.stages]}); "
                                f"see the phone logs, then zl-host run --resume {self.run_dir}")
-            if self.errors and any("replay horizon passed" in e for e in self.errors):
-                raise RunError(self.errors[-1])
+            if self.fatal:
+                raise RunError(f"{self.fatal[0]}; once that is fixed, continue with zl-host run --resume {self.run_dir}")
+            self._check_stalled()
         return self.finish()
+
+    def _check_stalled(self) -> None:
+        """No run stops without saying why: if no stage has reported progress for stall_after
+        seconds while all answer heartbeats, stop and say where each one stands."""
+        quiet = time.time() - self.last_progress
+        if quiet <= self.settings.stall_after:
+            return
+        where = "; ".join(f"stage {s.k} ({s.device.name}): committed window {s.committed}, last micro-batch {s.last_mb}"
+                          for s in self.stages)
+        raise RunError(f"no stage made progress for {quiet:.0f} s though all answer heartbeats ({where}); see the "
+                       f"phone logs, then zl-host run --resume {self.run_dir}")
 
     def _stage_of(self, device_name: str) -> StageState:
         return next(st for st in self.stages if st.device.name == device_name)
@@ -244,6 +261,8 @@ class Coordinator:
             return
         msg = ev.msg
         rec = {"t": ev.at, "device": ev.device, "stage": st.k, "type": msg.type.name, **msg.meta}
+        if msg.type in (MsgType.TELEMETRY, MsgType.CHECKPOINT_COMMITTED) and msg.get("kind") != "adb_dumpsys":
+            self.last_progress = time.time()
         if msg.type == MsgType.TELEMETRY and msg.get("kind", "micro_batch") == "micro_batch":  # "window" records carry deltas
             st.last_mb = max(st.last_mb, msg.get("micro_batch", -1))
             out = msg.get("bytes_out", 0)
@@ -254,7 +273,10 @@ class Coordinator:
         elif msg.type == MsgType.CHECKPOINT_COMMITTED:
             st.committed = max(st.committed, msg["window"])
         elif msg.type == MsgType.ERROR:
-            self._error(f"{ev.device} (stage {st.k}): {msg['message']}")
+            text = f"{ev.device} (stage {st.k}): {msg['message']}"
+            self._error(text)
+            if msg.get("fatal"):
+                self.fatal.append(text)
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.on_event(msg.type.name.lower(), rec)
@@ -282,6 +304,7 @@ class Coordinator:
         self._point_upstream_at(st)
         st.failed_at = None
         st.last_mb = (st.committed + 1) * self.settings.window_size - 1
+        self.last_progress = time.time()
         self._record_recovery("local", [st], why, detected, frontier, resumed_after_window=st.committed)
 
     def _global_rollback(self, failed: StageState, why: str, detected: float, frontier: int) -> None:
