@@ -88,17 +88,24 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None):
 
 # ---------------------------------------------------------------- run
 def parse_failures(specs: list[str]) -> list[dict]:
-    from zl_mobile.stage import FAILURE_POINTS
+    from zl_mobile.stage import FAILURE_POINTS, SLOW_POINT
 
     out = []
     for spec in specs or []:
         try:
             d = dict(part.split("=", 1) for part in spec.split(","))
-            f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": d.get("point", "after-phase1")}
+            point = d.get("point", "after-phase1")
+            if point == SLOW_POINT:  # not a failure: a slower phone (every phase 1 takes `seconds` more)
+                f = {"stage": int(d["stage"]), "point": point, "seconds": float(d["seconds"])}
+                if "window" in d:
+                    f["window"] = int(d["window"])
+            else:
+                f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": point}
         except (KeyError, ValueError):
-            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...]") from None
-        if f["point"] not in FAILURE_POINTS:
-            raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join(FAILURE_POINTS)}")
+            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...] "
+                           f"(or stage=K,point={SLOW_POINT},seconds=S[,window=W])") from None
+        if f["point"] not in (*FAILURE_POINTS, SLOW_POINT):
+            raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join((*FAILURE_POINTS, SLOW_POINT))}")
         out.append(f)
     return out
 
@@ -339,7 +346,8 @@ def build_parser():
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
     r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")
-    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]")
+    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]; or "
+                        "stage=K,point=slow-phase1,seconds=S: a slower phone (tests, benchmarks)")
     r.set_defaults(func=cmd_run)
     v = sub.add_parser("eval", help="held-out accuracy and NLL with the trained adapter")
     v.add_argument("--program", required=True)
