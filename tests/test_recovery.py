@@ -37,15 +37,18 @@ def lora_diff(result, base) -> float:
 
 
 def assert_held_within(records, horizon: int, ahead_stages=(0, 1)):
-    """No stage ever held more hidden states for replay than the horizon; the stages upstream
-    of a slower one reached it (they ran ahead) and waited for their downstream."""
+    """No stage ever held more hidden states for replay than the horizon, and backpressure did
+    hold one back: an upstream of a slower phone filled its buffer and waited for its downstream.
+    (Which of the two fills depends on the machine's load; that one does, does not.)"""
     tel = [r for r in records if r["type"] == "TELEMETRY" and r.get("kind", "micro_batch") == "micro_batch"]
+    held_back = []
     for k in ahead_stages:
         mine = [r for r in tel if r["stage"] == k]
         peak = max(r["replay_held_peak"] for r in mine)
         assert peak <= horizon, f"stage {k} held {peak} hidden states, above the horizon {horizon}"
-        assert peak == horizon, f"stage {k} never filled its replay buffer (peak {peak}): it did not run ahead"
-        assert max(r["wait_downstream_s"] for r in mine) > 0, f"stage {k} never waited for its downstream"
+        if peak == horizon and max(r["wait_downstream_s"] for r in mine) > 0:
+            held_back.append(k)
+    assert held_back, "no stage ran ahead to the horizon and waited for its downstream"
     assert all("replay_held" not in r for r in tel if r["stage"] == 2)  # the last stage sends nothing
 
 
