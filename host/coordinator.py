@@ -342,7 +342,14 @@ class Coordinator:
         else:
             up = self.stages[st.k - 1]
             up.meta["downstream"] = self._address(up, st)
-            up.client.assign({k: v for k, v in up.meta.items() if k != "request_id"})
+            if up.failed_at is not None or not up.client.alive:
+                return  # it failed too: its own recovery assigns it, with this address
+            try:
+                up.client.assign({k: v for k, v in up.meta.items() if k != "request_id"})
+            except DeviceError:
+                if up.client.alive:
+                    raise
+                # it died while being rewired: its connection-lost event recovers it, with this address
 
     def _record_recovery(self, kind, stages, why, detected, frontier, resumed_after_window) -> None:
         rec = {"kind": kind, "stages": [s.k for s in stages], "why": why, "detected": detected,

@@ -106,28 +106,32 @@ def test_kill_9_of_a_phone_that_ran_ahead(baseline, tmp_path, stage):
 
 
 def test_a_replay_the_restarted_stage_cannot_serve_is_an_error_not_a_wait(baseline, tmp_path):
-    """Stage 0 dies ahead of stage 1 and its replay files are lost with it: stage 1 needs hidden
-    states nobody holds, and the run stops saying which, instead of waiting forever."""
+    """Stages 0 and 1 die while 0 is ahead, and stage 0's replay files are lost with it: the
+    restarted stage 1 needs hidden states nobody holds any more, and the run stops saying which,
+    instead of waiting forever."""
     from host.coordinator import RunError
 
     out, mbs, base, base_records = baseline
-    phones, committed = [], {}
+    phones, committed, device_of, killed = [], {}, {}, []
 
     def on_event(kind, data):
+        if "stage" in data and "device" in data:
+            device_of[data["stage"]] = data["device"]
         if kind != "checkpoint_committed":
             return
         committed[data["stage"]] = data["window"]
-        if data["stage"] == 0 and committed.get(1, -1) < data["window"] - 1 and "killed" not in committed:
-            phone = next(p for p in phones if p.name == data["device"])
-            phone.kill()
-            shutil.rmtree(phone.workdir / "stages" / "test" / "stage_0" / "replay")
-            committed["killed"] = data["window"]
+        if data["stage"] == 0 and committed.get(1, -1) < data["window"] - 1 and 1 in device_of and not killed:
+            by_name = {p.name: p for p in phones}
+            for k in (1, 0):
+                by_name[device_of[k]].kill()
+                killed.append(k)
+            shutil.rmtree(by_name[device_of[0]].workdir / "stages" / "test" / "stage_0" / "replay")
 
     settings = RunSettings(windows=WINDOWS, **SETTINGS, inject_failure=SLOWER)
     with pytest.raises(RunError, match=r"replay unavailable: micro-batches \d+-\d+ needed downstream of stage0-out "
                                        r"are no longer held .*zl-host run --resume"):
         run_pipeline(out, tmp_path, settings, mbs, on_event=on_event, phones_out=phones)
-    assert "killed" in committed
+    assert killed == [1, 0]
 
 
 def test_too_small_a_replay_horizon_is_refused_with_what_would_work(small_export, tmp_path):
