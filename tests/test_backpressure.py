@@ -75,8 +75,17 @@ def test_any_speed_ratio_and_failure_point_ends_with_the_uninterrupted_lora(shor
     assert max(_held_peaks(records).values()) <= HORIZON
 
 
-def test_too_small_a_replay_horizon_is_refused_before_any_phone_starts(small_export, tmp_path, capsys):
-    assert main(["run", "--program", str(small_export[0]), "--devices", "emulated:3", "--window", "4",
+@pytest.fixture(scope="module")
+def data_file(tmp_path_factory):
+    from host.data import synthetic_examples
+
+    path = tmp_path_factory.mktemp("data") / "train.jsonl"
+    path.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(40, seed=3)))
+    return path
+
+
+def test_too_small_a_replay_horizon_is_refused_before_any_phone_starts(small_export, data_file, tmp_path, capsys):
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3", "--window", "4",
                  "--replay-horizon", "3", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     (line,) = [x for x in err.splitlines() if x.startswith("zl-host: error:")]
@@ -84,14 +93,14 @@ def test_too_small_a_replay_horizon_is_refused_before_any_phone_starts(small_exp
     assert not (tmp_path / "r" / "phones").exists()
 
 
-def test_host_and_every_phone_killed_then_resume_ends_with_the_uninterrupted_lora(small_export, tmp_path):
+def test_host_and_every_phone_killed_then_resume_ends_with_the_uninterrupted_lora(small_export, data_file, tmp_path):
     """kill -9 of the host and of all three phones while stage 0 is ahead of stage 1; `zl-host run
     --resume` starts the phones again, each stage resumes from its own checkpoint, stage 0 replays
     from its replay files what stage 1 had not committed, and the adapter is the uninterrupted one."""
     import numpy as np
     from safetensors.numpy import load_file
 
-    common = ["--program", str(small_export[0]), "--devices", "emulated:3", "--steps", "12", "--window", "2",
+    common = ["--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3", "--steps", "12", "--window", "2",
               "--lr", "2e-2"]
     assert main(["run", *common, "--out", str(tmp_path / "a")]) == 0
     run = tmp_path / "b"
