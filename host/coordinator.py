@@ -221,6 +221,7 @@ class Coordinator:
     # ---- main loop
     def run(self) -> dict:
         self.setup()
+        self.last_progress = time.time()  # pushing programs is no stall
         last = self.settings.windows - 1
         while any(st.committed < last for st in self.stages):
             try:
