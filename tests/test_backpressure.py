@@ -132,3 +132,17 @@ def test_host_and_every_phone_killed_then_resume_ends_with_the_uninterrupted_lor
     assert set(a) == set(b) and max(float(np.abs(a[k] - b[k]).max()) for k in a) == 0.0
     records = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert sorted(set(_commits(records))) == [(k, w) for k in range(3) for w in range(12)]
+
+
+def test_a_run_where_no_stage_progresses_stops_saying_where_each_stands(short_baseline, tmp_path):
+    """All phones answer heartbeats, none reports progress for longer than stall_timeout (here a
+    phase 1 that takes 60 s, far past a 3 s stall timeout): the run stops with each stage's place,
+    instead of waiting on."""
+    from host.coordinator import RunError
+
+    out, mbs, base, base_records = short_baseline
+    stuck = {"stage": 1, "window": 1, "point": "slow-phase1", "seconds": 60.0}
+    settings = RunSettings(windows=8, **SETTINGS, stall_timeout=3.0, inject_failure=[stuck])
+    with pytest.raises(RunError, match=r"no stage made progress for \d+ s though all answer heartbeats "
+                                       r"\(stage 0 \(.*\): committed window \d+, last micro-batch \d+; stage 1 .*; stage 2 "):
+        run_pipeline(out, tmp_path, settings, mbs)
