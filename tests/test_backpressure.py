@@ -60,7 +60,7 @@ def short_baseline(small_export, tmp_path_factory):
     return out, mbs, result, records
 
 
-@hsettings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@hsettings(max_examples=2, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(slow=st.lists(st.sampled_from([0.0, 0.03, 0.1]), min_size=3, max_size=3),
        stage=st.integers(0, 2), window=st.integers(1, 6),
        point=st.sampled_from(["after-phase1", "before-commit", "mid-checkpoint"]))
