@@ -112,17 +112,24 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None):
 
 # ---------------------------------------------------------------- run
 def parse_failures(specs: list[str]) -> list[dict]:
-    from zl_mobile.stage import FAILURE_POINTS
+    from zl_mobile.stage import FAILURE_POINTS, SLOW_POINT
 
     out = []
     for spec in specs or []:
         try:
             d = dict(part.split("=", 1) for part in spec.split(","))
-            f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": d.get("point", "after-phase1")}
+            point = d.get("point", "after-phase1")
+            if point == SLOW_POINT:  # not a failure: a slower phone (every phase 1 takes `seconds` more)
+                f = {"stage": int(d["stage"]), "point": point, "seconds": float(d["seconds"])}
+                if "window" in d:
+                    f["window"] = int(d["window"])
+            else:
+                f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": point}
         except (KeyError, ValueError):
-            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...]") from None
-        if f["point"] not in FAILURE_POINTS:
-            raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join(FAILURE_POINTS)}")
+            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...] "
+                           f"(or stage=K,point={SLOW_POINT},seconds=S[,window=W])") from None
+        if f["point"] not in (*FAILURE_POINTS, SLOW_POINT):
+            raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join((*FAILURE_POINTS, SLOW_POINT))}")
         out.append(f)
     return out
 
@@ -184,8 +191,8 @@ def cmd_run(a) -> int:
             windows = max(1, round(a.epochs * len(train) / a.window))
         settings = RunSettings(windows=windows, window_size=a.window, lr=a.lr, alpha=a.alpha,
                                inflight_depth=a.inflight, heartbeat_timeout=a.heartbeat_timeout,
-                               inject_failure=parse_failures(a.inject_failure), recovery=a.recovery)
-    run_dir.mkdir(parents=True, exist_ok=True)
+                               inject_failure=parse_failures(a.inject_failure), recovery=a.recovery,
+                               replay_horizon=a.replay_horizon)
     k = len(manifest["chunks"])
     plan = None
     plan_path = saved.get("plan") if a.resume else getattr(a, "plan", None)  # a resumed run keeps its stage order
@@ -194,6 +201,11 @@ def cmd_run(a) -> int:
         plan = check_plan_export(read_plan(Path(plan_path)), manifest, plan_path, program)
         if devices_spec == "auto":
             devices_spec = ",".join(plan["devices"])
+    try:
+        settings.checked_horizon(k)  # before any phone starts
+    except PlanError as e:
+        raise CliError(str(e)) from None
+    run_dir.mkdir(parents=True, exist_ok=True)
 
     phones = []
     links = None
@@ -397,6 +409,9 @@ def build_parser():
     r.add_argument("--micro-batches", type=int, default=None, help="instead of --steps: total micro-batches")
     r.add_argument("--window", type=int, default=4, help="micro-batches per update window")
     r.add_argument("--inflight", type=int, default=2, help="hidden states in flight between neighbours")
+    r.add_argument("--replay-horizon", type=int, default=None,
+                   help="most hidden states a stage holds for its downstream's replay; when full it waits for the "
+                        "downstream to commit (default 2 x window + in-flight depth; at least one window)")
     r.add_argument("--lr", type=float, default=2e-3)
     r.add_argument("--alpha", type=float, default=None, help="override the export's task/consistency blend")
     r.add_argument("--out", default=None, help="run dir (default runs/TIMESTAMP)")
@@ -420,7 +435,8 @@ def build_parser():
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
     r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")
-    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]")
+    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]; or "
+                        "stage=K,point=slow-phase1,seconds=S: a slower phone (tests, benchmarks)")
     r.set_defaults(func=cmd_run)
     r.add_argument("--plan", default=None, help="a zl-host plan file: its chunks (the export must match) on its "
                                                 "phones, and a report when the stage times drift from it")

@@ -69,6 +69,8 @@ class Coordinator:
         self.on_event = on_event or (lambda kind, data: None)
         self.files = {f["path"]: f for f in self.manifest["files"]}
         sizes = {p: f["size"] for p, f in self.files.items()}
+        # refused before any phone is touched if it could not cover a failure (PlanError)
+        self.horizon = settings.checked_horizon(len(self.chunks))
         # keep_order: devices[k] runs chunk k (a zl-host plan chose them); else by memory
         ordered = devices[:len(self.chunks)] if keep_order else assign_by_memory(self.chunks, devices, sizes)
         self.stages = [StageState(k, d) for k, d in enumerate(ordered)]
@@ -77,8 +79,10 @@ class Coordinator:
         self.metrics = open(self.run_dir / "metrics.jsonl", "a")
         self.feeder: OutboundLink | None = None
         self.errors: list[str] = []
+        self.fatal: list[str] = []  # errors a stage marked fatal: the run stops with them
         self.recoveries: list[dict] = []
         self.started = time.time()
+        self.last_progress = self.started  # the last micro-batch or commit any stage reported
         # adb phones (host.adb_wiring.AdbLinks): forwards, reverses, adb push, dumpsys sampling
         self.links = links
         self.sampler = None
@@ -146,10 +150,10 @@ class Coordinator:
         conf = {"lr": s.lr, "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches,
                 "busy_ms": int(s.compute_timeout * 1000)}
         if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
-            conf["keep_checkpoints"] = s.horizon // s.window_size + 3
+            conf["keep_checkpoints"] = self.horizon // s.window_size + 3
         if s.alpha is not None:
             conf["alpha"] = s.alpha
-        mine = [{"window": f["window"], "point": f.get("point", "after-phase1"),
+        mine = [{"window": f.get("window"), "point": f.get("point", "after-phase1"),
                  **({"seconds": f["seconds"]} if "seconds" in f else {})}
                 for f in (s.inject_failure or []) if f.get("stage") == st.k]
         if mine:
@@ -159,7 +163,7 @@ class Coordinator:
             "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
             "downstream": self._address(st, nxt) if nxt else None,
             "program_sha256": self.files[self._entry(st.k)["program"]]["sha256"],
-            "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": s.horizon,
+            "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": self.horizon,
             "buffer_capacity": s.inflight_depth, "schedule": s.schedule,
             "upstream_token": self.link_tokens[st.k], "config": conf,
         }
@@ -192,10 +196,11 @@ class Coordinator:
             self._push(st)
         for st in reversed(self.stages):  # downstream first: each needs its neighbour's data port
             self._assign(st)
+        # the feed builds each input when stage 0's credits let it go: it holds none, and it can
+        # serve any replay (a restarted stage 0, a global rollback) from the data set
         self.feeder = OutboundLink("host-feed", self.link_tokens[0], window_size=self.settings.window_size,
-                                   replay_horizon=10**9, on_error=self._error, prune_on_commit=False)
-        for mb in range(self.settings.micro_batches):
-            self.feeder.publish(self._input_frame(mb))
+                                   replay_horizon=self.horizon, on_error=self._error, source=self._input_frame,
+                                   source_total=self.settings.micro_batches)
         self.feeder.set_address(self._address(None, self.stages[0]))
         if self.links is not None:
             from .adb_wiring import AdbSampler
@@ -220,6 +225,7 @@ class Coordinator:
     # ---- main loop
     def run(self) -> dict:
         self.setup()
+        self.last_progress = time.time()  # pushing programs is no stall
         last = self.settings.windows - 1
         while any(st.committed < last for st in self.stages):
             try:
@@ -233,9 +239,21 @@ class Coordinator:
                 raise RunError(f"the run did not finish within {self.settings.max_seconds:.0f} s "
                                f"(committed windows per stage: {[s.committed for s in self.stages]}); "
                                f"see the phone logs, then zl-host run --resume {self.run_dir}")
-            if self.errors and any("replay horizon passed" in e for e in self.errors):
-                raise RunError(self.errors[-1])
+            if self.fatal:
+                raise RunError(f"{self.fatal[0]}; once that is fixed, continue with zl-host run --resume {self.run_dir}")
+            self._check_stalled()
         return self.finish()
+
+    def _check_stalled(self) -> None:
+        """No run stops without saying why: if no stage has reported progress for stall_after
+        seconds while all answer heartbeats, stop and say where each one stands."""
+        quiet = time.time() - self.last_progress
+        if quiet <= self.settings.stall_after:
+            return
+        where = "; ".join(f"stage {s.k} ({s.device.name}): committed window {s.committed}, last micro-batch {s.last_mb}"
+                          for s in self.stages)
+        raise RunError(f"no stage made progress for {quiet:.0f} s though all answer heartbeats ({where}); see the "
+                       f"phone logs, then zl-host run --resume {self.run_dir}")
 
     def _stage_of(self, device_name: str) -> StageState:
         return next(st for st in self.stages if st.device.name == device_name)
@@ -248,6 +266,8 @@ class Coordinator:
             return
         msg = ev.msg
         rec = {"t": ev.at, "device": ev.device, "stage": st.k, "type": msg.type.name, **msg.meta}
+        if msg.type in (MsgType.TELEMETRY, MsgType.CHECKPOINT_COMMITTED) and msg.get("kind") != "adb_dumpsys":
+            self.last_progress = time.time()
         if msg.type == MsgType.TELEMETRY and msg.get("kind", "micro_batch") == "micro_batch":  # "window" records carry deltas
             st.last_mb = max(st.last_mb, msg.get("micro_batch", -1))
             out = msg.get("bytes_out", 0)
@@ -258,7 +278,10 @@ class Coordinator:
         elif msg.type == MsgType.CHECKPOINT_COMMITTED:
             st.committed = max(st.committed, msg["window"])
         elif msg.type == MsgType.ERROR:
-            self._error(f"{ev.device} (stage {st.k}): {msg['message']}")
+            text = f"{ev.device} (stage {st.k}): {msg['message']}"
+            self._error(text)
+            if msg.get("fatal"):
+                self.fatal.append(text)
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.on_event(msg.type.name.lower(), rec)
@@ -286,6 +309,7 @@ class Coordinator:
         self._point_upstream_at(st)
         st.failed_at = None
         st.last_mb = (st.committed + 1) * self.settings.window_size - 1
+        self.last_progress = time.time()
         self._record_recovery("local", [st], why, detected, frontier, resumed_after_window=st.committed)
 
     def _global_rollback(self, failed: StageState, why: str, detected: float, frontier: int) -> None:
@@ -323,7 +347,14 @@ class Coordinator:
         else:
             up = self.stages[st.k - 1]
             up.meta["downstream"] = self._address(up, st)
-            up.client.assign({k: v for k, v in up.meta.items() if k != "request_id"})
+            if up.failed_at is not None or not up.client.alive:
+                return  # it failed too: its own recovery assigns it, with this address
+            try:
+                up.client.assign({k: v for k, v in up.meta.items() if k != "request_id"})
+            except DeviceError:
+                if up.client.alive:
+                    raise
+                # it died while being rewired: its connection-lost event recovers it, with this address
 
     def _record_recovery(self, kind, stages, why, detected, frontier, resumed_after_window) -> None:
         rec = {"kind": kind, "stages": [s.k for s in stages], "why": why, "detected": detected,

@@ -13,7 +13,7 @@ class RunSettings:
     windows: int = 8              # optimizer steps (update windows)
     window_size: int = 4          # micro-batches per window
     inflight_depth: int = 2       # hidden states in flight between neighbours
-    replay_horizon: int | None = None  # hidden states an upstream keeps for replay (default 2W + depth)
+    replay_horizon: int | None = None  # most hidden states an upstream holds for replay (default: default_horizon)
     lr: float = 2e-3
     weight_decay: float = 0.0
     alpha: float | None = None    # override of the export's alpha
@@ -24,10 +24,37 @@ class RunSettings:
     recovery: str = "local"       # or "global-rollback"
     schedule: str = "zerolock"    # or a BP baseline: gpipe, 1f1b, pipedream
     max_seconds: float | None = None  # give up (with a clear error) if the run takes longer
+    stall_timeout: float | None = None  # no stage progressed this long: stop, saying where each stands (default 3x compute_timeout)
 
     @property
     def horizon(self) -> int:
         return self.replay_horizon or (2 * self.window_size + self.inflight_depth)
+
+    def default_horizon(self, num_stages: int) -> int:
+        """One window more than the least that works, plus the in-flight depth: the upstream may
+        run a window ahead and the downstream's credits stay busy while it commits. 2W + depth for
+        ZeroLock, GPipe and 1F1B."""
+        return min_replay_horizon(self.schedule, self.window_size, num_stages) + self.window_size + self.inflight_depth
+
+    def checked_horizon(self, num_stages: int) -> int:
+        """The replay horizon this run uses; a value that could not cover a failure is refused."""
+        need = min_replay_horizon(self.schedule, self.window_size, num_stages)
+        default = self.default_horizon(num_stages)
+        h = self.replay_horizon if self.replay_horizon is not None else default
+        if h < need:
+            ahead = need - self.window_size
+            why = (f"a whole window ({self.window_size})" if not ahead else
+                   f"a whole window ({self.window_size}) plus the {ahead} micro-batch(es) the {self.schedule} "
+                   "schedule forwards past it before the step")
+            raise PlanError(f"replay horizon {h} is too small: an upstream stage holds every hidden state until its "
+                            f"downstream commits the window that used it, and that commit needs {why}, so the "
+                            f"upstream would wait forever; use --replay-horizon {need} or more (the default, {default}, "
+                            "adds a window and the in-flight depth so the upstream may run ahead)")
+        return h
+
+    @property
+    def stall_after(self) -> float:
+        return self.stall_timeout if self.stall_timeout is not None else 3 * self.compute_timeout + self.heartbeat_timeout
 
     @property
     def micro_batches(self) -> int:
@@ -35,6 +62,26 @@ class RunSettings:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+def min_replay_horizon(schedule: str, window_size: int, num_stages: int) -> int:
+    """The fewest hidden states an upstream must be able to hold for its downstream to reach its
+    next commit: one window, plus what the downstream's schedule forwards past the window's end
+    before the window's step (PipeDream's warm-up; none for ZeroLock, GPipe and 1F1B). With
+    backpressure nothing uncommitted is dropped, so this also covers a failure at any point."""
+    from zl_mobile.schedules import schedule as actions
+
+    ahead = 0
+    for k in range(1, num_stages):
+        top = -1
+        for a in actions(schedule, k, num_stages, window_size, total=3 * window_size):
+            if a.op == "F":
+                top = max(top, a.mb)
+            elif a.op == "STEP":
+                ahead = max(ahead, top - ((a.mb + 1) * window_size - 1))
+                if a.mb >= 2:  # some schedules run on until the stage is stopped
+                    break
+    return window_size + ahead
 
 
 def assign_by_memory(chunks: list[dict], devices: list, file_sizes: dict) -> list:

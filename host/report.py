@@ -102,12 +102,15 @@ def write_report(run_dir: Path, summary: dict) -> Path:
     return run_dir / "report.md"
 
 
-TIMELINE_COLORS = {"phase1": "tab:blue", "phase2": "tab:orange", "step": "tab:green"}
+TIMELINE_COLORS = {"phase1": "tab:blue", "phase2": "tab:orange", "step": "tab:green",
+                   # backpressure: held back until the downstream commits (waiting, not compute)
+                   "wait_downstream": "lightgray"}
 
 
 def draw_timeline(ax, tel: list[dict], title: str) -> None:
-    """Each stage's activity spans (phase 1, phase 2, optimizer step) from micro-batch telemetry
-    records ({"stage", "spans": [(kind, start, end)]}) on one axis; gaps are waiting."""
+    """Each stage's activity spans (phase 1, phase 2, optimizer step, and in grey the waits for
+    the downstream to commit) from micro-batch telemetry records ({"stage", "spans": [(kind,
+    start, end)]}) on one axis; gaps are waiting for input."""
     stages = sorted({r["stage"] for r in tel})
     t0 = min((a for r in tel for kind, a, _ in r.get("spans", []) if kind in TIMELINE_COLORS), default=0.0)
     for r in tel:
@@ -117,7 +120,7 @@ def draw_timeline(ax, tel: list[dict], title: str) -> None:
     for kind, c in TIMELINE_COLORS.items():
         ax.barh(-10, 0, color=c, label=kind)
     ax.set(ylim=(-0.5, len(stages) - 0.5), yticks=stages, yticklabels=[f"stage {k}" for k in stages],
-           xlabel="time (s); gaps are waiting", title=title)
+           xlabel="time (s); grey: waiting for the downstream to commit; gaps: waiting for input", title=title)
     ax.legend(loc="upper right", ncol=3, fontsize=8)
 
 

@@ -87,9 +87,10 @@ def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int 
 
 
 def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones: int = 3, on_event=None,
-                 phone_args=None, network=None):
+                 phone_args=None, network=None, phones_out: list | None = None):
     """Start n emulated phones (real processes; with `network`, an open host.netns.ShapedNetwork,
-    each in its own namespace), run the coordinator to the end, stop them.
+    each in its own namespace), run the coordinator to the end, stop them. `phones_out`, if
+    given, receives the phones (a test that kills one needs its process).
     Returns (result, metrics records)."""
     import json
 
@@ -100,6 +101,8 @@ def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones
 
     phones = start_phones(n_phones, root / "phones", prefix=f"t{os.getpid()}-", extra_args=phone_args,
                           network=network)
+    if phones_out is not None:
+        phones_out.extend(phones)
     try:
         devices = [p.handle() for p in phones]
         if settings.max_seconds is None:  # a hang fails the test instead of stalling CI

@@ -1,7 +1,7 @@
 """The link rules of docs/PROTOCOL.md 5.4.1, checked on the Python reference (zl_mobile/links.py)
 against the scenarios of tests/vectors/link_rules/link_rules.json. The Kotlin core passes the same
 file (kotlin_app/core/src/test/kotlin/org/zerolock/core/LinkRulesTest.kt), so both sides keep the
-same replay buffer, resume point, credits and horizon rules.
+same replay buffer, resume point, credits and horizon (backpressure) rules.
 
 The Python links are driven over loopback TCP with only their public surface: the test plays the
 downstream stage of an OutboundLink (accepts it, sends REPLAY_REQUEST / CREDIT /
@@ -139,6 +139,8 @@ def test_outbound_link(scenario):
             if "buffered" in step:
                 want = step["buffered"]
                 _wait(f"buffered == {want} ({where}; have {link.buffered()})", lambda: link.buffered() == want)
+            if "full" in step:
+                assert link.full() == step["full"], where
         if down.sock is not None:
             down.quiet()
         assert errors == expected_errors

@@ -1,15 +1,20 @@
 """Stage-to-stage hidden-state links.
 
 OutboundLink (upstream side, the TCP client): keeps every hidden state it produced in a replay
-buffer until the downstream stage has committed the window that used it (or the buffer passes
-its replay horizon), and sends them in micro-batch order as the downstream grants credits.
+buffer until the downstream stage has committed the window that used it, and sends them in
+micro-batch order as the downstream grants credits. It never drops one the downstream has not
+committed: when the buffer holds `replay_horizon` entries the producer waits (wait_for_room)
+before its next forward, so a fast upstream is held back instead of forgetting (backpressure).
+With a ReplayStore the buffer is also on disk, so a restarted stage still serves what it had sent.
 On (re)connection the downstream first says which micro-batch it needs next (REPLAY_REQUEST),
 so a restarted stage gets exactly its gap again and nothing is sent twice to a live one.
 
 InboundLink (downstream side, the TCP server): accepts one upstream at a time, announces its
-resume point, grants credits, and hands HIDDEN_STATE frames to the stage's inbound queue.
+resume point and its last committed window, grants credits, and hands HIDDEN_STATE frames to
+the stage's inbound queue.
 
-The host feeding stage 0 is an OutboundLink too, so stage 0 is not a special case."""
+The host feeding stage 0 is an OutboundLink too, with a `source` that rebuilds any input from
+the data set, so it holds nothing and can serve any replay."""
 from __future__ import annotations
 
 import collections
@@ -64,27 +69,45 @@ def _now(deliver, msg) -> None:
     deliver(msg)
 
 
-class ReplayHorizonPassed(Exception):
-    """A replay needs hidden states that were already pruned."""
+def replay_unavailable_message(start: int, end: int, name: str, held_from: int) -> str:
+    """Word for word in the Kotlin core (LinkRules.replayUnavailableMessage): the host shows it."""
+    return (f"replay unavailable: micro-batches {start}-{end} needed downstream of {name} are no longer held "
+            f"(it holds {held_from} onward); the downstream asked below what it had reported committed, "
+            "so its checkpoint or the upstream's replay files were lost: restore that stage's work dir "
+            "or start a new run")
 
 
 class OutboundLink:
     def __init__(self, name: str, token: str, *, window_size: int, replay_horizon: int,
                  limiter=None, on_error=None, on_committed=None, on_gradient=None, prune_on_commit=True,
-                 delay: DelayLine | None = None):
+                 delay: DelayLine | None = None, store=None, first_mb: int = 0, source=None,
+                 source_total: int | None = None):
+        if replay_horizon < 1:
+            raise ValueError(f"replay horizon must be >= 1, got {replay_horizon}")
         self.name = name
         self.token = token
         self.window_size = window_size
-        self.replay_horizon = replay_horizon
+        self.replay_horizon = replay_horizon  # the most hidden states held: the producer waits beyond it
         self.limiter = limiter
         self.on_error = on_error or (lambda msg: log.error(msg))
         self.on_committed = on_committed or (lambda meta: None)
         self.on_gradient = on_gradient or (lambda msg: None)  # BP baselines: dL/dh_k from downstream
         self._deliver = delay or _now  # what downstream sends arrives after the link's latency, if emulated
-        self.prune_on_commit = prune_on_commit  # the host's feed keeps its inputs (global rollback replays them)
+        self.prune_on_commit = prune_on_commit
+        # the host's feed: source(mb) rebuilds any input, so nothing is buffered and any replay is served
+        self.source = source
+        self.source_total = source_total
+        self.store = store  # ReplayStore: the buffer's on-disk copy, which outlives this process
         self._address: str | None = None
         self._buffer: collections.OrderedDict[int, Message] = collections.OrderedDict()
-        self._pruned_below = 0      # every micro-batch < this was dropped from the buffer
+        # every micro-batch < this is not held (committed downstream, or before a restart's reload)
+        self._pruned_below = first_mb
+        if store is not None:
+            for msg in store.load(below=first_mb):
+                self._buffer[msg["micro_batch"]] = msg
+            if self._buffer:
+                self._pruned_below = next(iter(self._buffer))
+        self.peak_buffered = len(self._buffer)
         self._next = None           # next micro-batch the downstream wants (None: not connected)
         self._credits = 0
         self._cond = threading.Condition()
@@ -107,18 +130,46 @@ class OutboundLink:
                     self._conn.close()
             self._cond.notify_all()
 
+    def full(self) -> bool:
+        with self._cond:
+            return len(self._buffer) >= self.replay_horizon
+
+    def wait_for_room(self, stop: threading.Event | None = None) -> float:
+        """Backpressure: block until the buffer holds fewer than `replay_horizon` hidden states
+        (the downstream commits a window, and its hidden states go). Returns the seconds waited."""
+        t0 = time.monotonic()
+        with self._cond:
+            while len(self._buffer) >= self.replay_horizon and not self._stop and not (stop and stop.is_set()):
+                self._cond.wait(timeout=0.5)
+        return time.monotonic() - t0
+
     def publish(self, msg: Message) -> None:
+        """Hold `msg` for sending and replay. Never drops anything: the producer keeps within the
+        horizon by calling wait_for_room first."""
         mb = msg["micro_batch"]
         with self._cond:
             self._buffer[mb] = msg
-            # past the horizon, drop the oldest hidden states already sent (never an unsent one)
-            while len(self._buffer) > self.replay_horizon:
-                old = next(iter(self._buffer))
-                if self._next is None or old >= self._next:
-                    break
-                del self._buffer[old]
-                self._pruned_below = old + 1
+            self.peak_buffered = max(self.peak_buffered, len(self._buffer))
             self._cond.notify_all()
+
+    def persist(self, mb: int) -> None:
+        """Write a published hidden state to the on-disk copy (after it was handed to the socket,
+        so early forwarding does not wait for the disk)."""
+        if self.store is None:
+            return
+        with self._cond:
+            msg = self._buffer.get(mb)
+        if msg is not None:
+            self.store.put(msg)
+
+    def sync(self) -> None:
+        """Before the stage commits a checkpoint: its window's hidden states are durable first."""
+        if self.store is not None:
+            self.store.sync()
+
+    def held(self) -> int:
+        with self._cond:
+            return len(self._buffer)
 
     def buffered(self) -> list[int]:
         with self._cond:
@@ -163,8 +214,13 @@ class OutboundLink:
                         self._conn, self._next = None, None
                 reader.join(timeout=1.0)
 
+    def _has(self, mb: int) -> bool:
+        if self.source is not None:
+            return mb < (self.source_total if self.source_total is not None else NO_END)
+        return mb in self._buffer
+
     def _sendable(self) -> bool:
-        return self._next is not None and self._credits > 0 and self._next in self._buffer
+        return self._next is not None and self._credits > 0 and self._has(self._next)
 
     def _send_one(self, conn: Connection) -> bool:
         """Send the next hidden state if a credit allows; one sender at a time keeps the order."""
@@ -173,9 +229,11 @@ class OutboundLink:
                 if conn.closed or self._conn is not conn or not self._sendable():
                     return False
                 mb = self._next
-                msg = self._buffer[mb]
+                msg = self._buffer.get(mb)
                 self._credits -= 1
                 self._next = mb + 1
+            if msg is None:  # the host's feed: built when it is sent, never held
+                msg = self.source(mb)
             n = conn.send(msg)
             with self._cond:
                 self.bytes_sent += n
@@ -227,21 +285,23 @@ class OutboundLink:
                 self._credits += msg["credits"]
             elif msg.type == MsgType.REPLAY_REQUEST and current:
                 start = msg["from_micro_batch"]
-                if start < self._pruned_below:  # never silently skipped
-                    self.on_error(f"replay horizon passed: micro-batches {start}-{self._pruned_below - 1} "
-                                  f"needed downstream of {self.name} were pruned and are lost; "
-                                  "raise the replay horizon (buffer) to cover a failure")
+                if start < self._pruned_below and self.source is None:  # never silently skipped, never a wait
+                    held = next(iter(self._buffer), self._pruned_below)
+                    self.on_error(replay_unavailable_message(start, self._pruned_below - 1, self.name, held))
                     start = self._pruned_below
                 self._next = start
             elif msg.type == MsgType.CHECKPOINT_COMMITTED:
                 # the downstream durably used everything up to this window: prune it
                 w = msg["window"]
                 self.downstream_committed = max(self.downstream_committed, w)
-                if self.prune_on_commit:
-                    for mb in [k for k in self._buffer if k // self.window_size <= w]:
+                if self.prune_on_commit and self.source is None:
+                    end = (w + 1) * self.window_size
+                    for mb in [k for k in self._buffer if k < end]:
                         del self._buffer[mb]
+                    if self.store is not None:
+                        self.store.drop_below(end)
                     # a later request below this is an error, never a silent wait
-                    self._pruned_below = max(self._pruned_below, (w + 1) * self.window_size)
+                    self._pruned_below = max(self._pruned_below, end)
                 self.on_committed(msg.meta)
             elif msg.type == MsgType.ERROR:
                 log.error("%s: downstream error %s: %s", self.name, msg["code"], msg["message"])
@@ -317,6 +377,9 @@ class InboundLink:
         self._stop = False
         self.bytes_received = 0
         self.received_at: dict[int, float] = {}
+        # this stage's last CHECKPOINT_COMMITTED, re-announced on every new upstream connection: a
+        # restarted upstream then drops what was committed while it was down instead of holding it
+        self.last_commit: dict | None = None
         threading.Thread(target=self._accept, name=f"in-{name}", daemon=True).start()
 
     def _accept(self) -> None:
@@ -344,6 +407,8 @@ class InboundLink:
         self._conn = conn
         try:
             conn.send(Message(MsgType.REPLAY_REQUEST, {"from_micro_batch": self.next_needed(), "to_micro_batch": NO_END}))
+            if self.last_commit is not None:
+                conn.send(Message(MsgType.CHECKPOINT_COMMITTED, dict(self.last_commit)))
             free = self.inflight_depth - len(self.queue)
             if free > 0:
                 conn.send(Message(MsgType.CREDIT, {"credits": free}))
@@ -382,9 +447,10 @@ class InboundLink:
             return 0
 
     def committed(self, window: int, step: int, sha: str) -> None:
+        self.last_commit = {"window": window, "step": step, "sha256": sha}
         conn = self._conn
         if conn is not None:
-            conn.try_send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": window, "step": step, "sha256": sha}))
+            conn.try_send(Message(MsgType.CHECKPOINT_COMMITTED, dict(self.last_commit)))
 
     def close(self) -> None:
         self._stop = True

@@ -26,6 +26,7 @@ from .links import InboundLink, InboundQueue, OutboundLink
 from .program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
+from .replay_store import ReplayStore
 from .schedules import forwards_held, schedule
 from .telemetry import (ActivityClock, read_pss_by_backing, read_pss_bytes, read_temperature_c, runtime_pss_bytes,
                         take_peak_rss_bytes)
@@ -33,6 +34,7 @@ from .telemetry import (ActivityClock, read_pss_by_backing, read_pss_bytes, read
 log = logging.getLogger("zl_mobile.stage")
 FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint")
 STALL_POINT = "hold-gil-in-phase1"  # not a failure: phase 1 holds the interpreter for `seconds` more
+SLOW_POINT = "slow-phase1"  # not a failure: every phase 1 (of `window`, or of all when absent) sleeps `seconds` more
 FAILURE_EXIT_CODE = 86
 
 
@@ -127,12 +129,17 @@ class Stage:
                                    inflight_depth=cfg.inflight_depth,
                                    next_needed=lambda: self.queue.next_after(self.next_mb), port=data_port,
                                    bind=bind, delay=link_delay)
+        if ckpt is not None:
+            self.inbound.last_commit = {"window": ckpt.window, "step": ckpt.step, "sha256": self.store.pointer()["sha256"]}
         self.outbound = None
         if cfg.downstream_token:
+            # the replay buffer's on-disk copy: what this stage sent and its downstream has not
+            # committed survives a restart of this stage (reloaded up to its resume point)
             self.outbound = OutboundLink(f"stage{self.k}-out", cfg.downstream_token, window_size=W,
                                          replay_horizon=cfg.replay_horizon, limiter=limiter,
-                                         on_error=self._report_error, on_gradient=self.grads_in.put,
-                                         delay=link_delay)
+                                         on_error=lambda text: self._report_error(text, fatal=True),
+                                         on_gradient=self.grads_in.put, delay=link_delay,
+                                         store=ReplayStore(self.store.dir / "replay"), first_mb=self.next_mb)
             self.outbound.set_address(cfg.downstream)
         self._window_mark = self._counters()
         self._stop = threading.Event()
@@ -190,6 +197,13 @@ class Stage:
 
     def _forward(self, mb: int) -> None:
         """Phase 1, then h_k downstream at once (early forwarding)."""
+        if self.outbound is not None and self.outbound.full():
+            # backpressure: the replay buffer holds its bound of uncommitted hidden states, so wait
+            # for the downstream to commit a window rather than forget one it may need to replay
+            with self.clock.span("wait_downstream"):
+                self.outbound.wait_for_room(self._stop)
+            if self._stop.is_set():
+                raise _Stopped
         msg = self._wait(self.queue, mb)
         self.inbound.grant(1)
         self.next_mb = mb + 1
@@ -211,6 +225,7 @@ class Stage:
             self.outbound.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": w},
                                           {"h": h.detach().clone().numpy(), **extras}))
             self.outbound.pump()
+            self.outbound.persist(mb)
         self._pending[mb] = {"saved": saved, "batch": batch, "lora": lora, "window": w,
                              "t": {"phase1_start": t0, "phase1_end": t1, "published": time.time(),
                                    "received": self.inbound.received_at.pop(mb, None)}}
@@ -264,7 +279,10 @@ class Stage:
             # when h_k was handed to the link (None: no credit yet, the link thread sends it later)
             "forwarded": self.outbound.sent_at.pop(mb, None) if self.outbound else None,
             "active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
+            "wait_downstream_s": self.clock.wait_downstream_s,
             "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out(),
+            "replay_held": self.outbound.held() if self.outbound else None,
+            "replay_held_peak": self.outbound.peak_buffered if self.outbound else None,
             "pss_bytes": pss, "rss_peak_bytes": mb_peak, "temperature_c": read_temperature_c(),
             "readout_dropped": p["batch"]["_dropped"], "in_flight": len(self._pending),
             "spans": [[k, a, b] for k, a, b in self.clock.drain_spans()],
@@ -285,7 +303,8 @@ class Stage:
         return self.outbound.bytes_sent if self.outbound else 0
 
     def _counters(self) -> dict:
-        return {"active_s": self.clock.active_s, "wait_s": self.clock.wait_s, "seconds": time.time(),
+        return {"active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
+                "wait_downstream_s": self.clock.wait_downstream_s, "seconds": time.time(),
                 "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out()}
 
     def _window_telemetry(self, w: int, step_s: float) -> None:
@@ -321,6 +340,8 @@ class Stage:
         with self.clock.span("step"):
             self.opt.step({k: g / n for k, g in acc.items()})
             self._maybe_fail("before-commit", w)
+            if self.outbound is not None:
+                self.outbound.sync()  # the window's hidden states are durable before its commit
             sha = self.store.commit(Checkpoint(window=w, step=self.opt.step_count, lora=self.lora,
                                                optimizer=self.opt.state_tensors(),
                                                meta={"next_micro_batch": (w + 1) * self.cfg.window_size}))
@@ -342,8 +363,11 @@ class Stage:
             self.to_host(Message(MsgType.HEARTBEAT, {"seq": 0, "busy_ms": 0}))
 
     def _maybe_stall(self, window: int) -> None:
-        """Test hook: hold the interpreter like a long runtime call would (no other thread runs)."""
+        """Test hooks: hold the interpreter like a long runtime call would (no other thread runs),
+        or make every phase 1 slower, as on a slower phone (other threads run meanwhile)."""
         for sp in self.cfg.inject_failure or []:
+            if sp.get("point") == SLOW_POINT and sp.get("window") in (None, window):
+                time.sleep(sp["seconds"])
             if sp.get("point") == STALL_POINT and sp.get("window") == window and not sp.get("_done"):
                 sp["_done"] = True
                 old = sys.getswitchinterval()
@@ -372,9 +396,10 @@ class Stage:
                     f.truncate(max(1, tmp.stat().st_size // 2))
         os._exit(FAILURE_EXIT_CODE)
 
-    def _report_error(self, text: str) -> None:
+    def _report_error(self, text: str, fatal: bool = True) -> None:
+        """`fatal`: the run cannot go on as it is (PROTOCOL.md 5.4.1); the host stops it with `text`."""
         log.error(text)
-        self.to_host(Message(MsgType.ERROR, {"code": "REJECTED", "message": text}))
+        self.to_host(Message(MsgType.ERROR, {"code": "REJECTED", "message": text, "fatal": fatal}))
 
     def lora_state(self) -> dict:
         return {n: t.clone() for n, t in self.lora.items()}

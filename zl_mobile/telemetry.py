@@ -96,11 +96,13 @@ def take_peak_rss_bytes() -> int | None:
 
 
 class ActivityClock:
-    """Splits wall time into active (computing) and waiting, for the active/wait timeline."""
+    """Splits wall time into active (computing) and waiting, for the active/wait timeline. Waiting
+    is for input ("wait") or for the downstream to commit ("wait_downstream": backpressure)."""
 
     def __init__(self):
         self.active_s = 0.0
         self.wait_s = 0.0
+        self.wait_downstream_s = 0.0  # part of wait_s: held back by backpressure, not waiting for input
         self.spans: list[tuple[str, float, float]] = []  # (kind, start, end) in time.time()
 
     def span(self, kind: str):
@@ -113,8 +115,10 @@ class ActivityClock:
 
             def __exit__(self, *exc):
                 t1 = time.time()
-                if kind == "wait":
+                if kind in ("wait", "wait_downstream"):
                     clock.wait_s += t1 - self.t0
+                    if kind == "wait_downstream":
+                        clock.wait_downstream_s += t1 - self.t0
                 else:
                     clock.active_s += t1 - self.t0
                 clock.spans.append((kind, self.t0, t1))

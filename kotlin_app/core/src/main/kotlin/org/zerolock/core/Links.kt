@@ -20,10 +20,12 @@ object LinkRules {
     /** "To the end" in REPLAY_REQUEST (2^53: the largest integer every JSON reader keeps exact). */
     const val NO_END: Long = 1L shl 53
 
-    /** Python's message, word for word: the host shows it to the user. */
-    fun horizonPassedMessage(from: Long, to: Long, linkName: String): String =
-        "replay horizon passed: micro-batches $from-$to needed downstream of $linkName were pruned and are lost; " +
-            "raise the replay horizon (buffer) to cover a failure"
+    /** Python's message (zl_mobile.links.replay_unavailable_message), word for word: the host shows it. */
+    fun replayUnavailableMessage(from: Long, to: Long, linkName: String, heldFrom: Long): String =
+        "replay unavailable: micro-batches $from-$to needed downstream of $linkName are no longer held " +
+            "(it holds $heldFrom onward); the downstream asked below what it had reported committed, " +
+            "so its checkpoint or the upstream's replay files were lost: restore that stage's work dir " +
+            "or start a new run"
 
     /** The CREDIT a downstream grants right after REPLAY_REQUEST: inflight_depth - queued, or none if <= 0. */
     fun initialCredit(inflightDepth: Int, queued: Int): Long? = (inflightDepth - queued).toLong().takeIf { it > 0 }
@@ -33,12 +35,11 @@ object LinkRules {
  * Upstream side of one link. Not thread-safe by itself: the owner serializes calls.
  *
  * - [publish]: every hidden state produced goes into the replay buffer (ordered by micro-batch).
- *   When the buffer holds more than [replayHorizon] entries, the oldest ones *already sent on the
- *   current connection* are dropped (never one the downstream has not had yet), and
- *   [prunedBelow] moves past them.
+ *   Nothing is dropped before the downstream commits it: when [full] (the buffer holds
+ *   [replayHorizon] entries) the producer waits before its next forward (backpressure).
  * - [connected]: a new connection starts with no resume point and zero credits.
  * - [onReplayRequest]: the downstream says which micro-batch it needs next; sending resumes
- *   there. Asking below [prunedBelow] is an error (the text of [LinkRules.horizonPassedMessage]),
+ *   there. Asking below [prunedBelow] is an error (the text of [LinkRules.replayUnavailableMessage]),
  *   returned, never skipped silently; sending then resumes at [prunedBelow].
  * - [onCredit]: adds to the allowance; every frame sent spends one ([takeNext]).
  * - [onCommitted]: the downstream durably used every micro-batch of windows <= w, so they are
@@ -77,24 +78,21 @@ class OutboundLinkState<T>(
     fun publish(mb: Long, entry: T) {
         require(mb >= 0) { "micro-batch id must be >= 0" }
         buffer[mb] = entry
-        while (buffer.size > replayHorizon) {
-            val old = buffer.firstKey()
-            val n = next
-            if (n == null || old >= n) break // never drop a hidden state the downstream has not had
-            buffer.remove(old)
-            prunedBelow = old + 1
-        }
     }
+
+    /** The buffer holds its bound: the producer must wait for a commit before its next forward. */
+    fun full(): Boolean = buffer.size >= replayHorizon
 
     fun connected() { next = null; credits = 0 }
     fun disconnected() { next = null }
 
-    /** REPLAY_REQUEST from the downstream. Returns the horizon-passed error text, or null. */
+    /** REPLAY_REQUEST from the downstream. Returns the replay-unavailable error text, or null. */
     fun onReplayRequest(from: Long): String? {
         var start = from
         var error: String? = null
         if (start < prunedBelow) {
-            error = LinkRules.horizonPassedMessage(start, prunedBelow - 1, name)
+            error = LinkRules.replayUnavailableMessage(start, prunedBelow - 1, name,
+                if (buffer.isEmpty()) prunedBelow else buffer.firstKey())
             start = prunedBelow
         }
         next = start

@@ -46,6 +46,7 @@ class LinkRulesVectorsTest {
                 assertEquals(step["sent"]?.let { longs(it) } ?: emptyList<Long>(), sent, "sent: $where")
                 assertEquals(step["error"] as String?, error, "error: $where")
                 step["buffered"]?.let { assertEquals(longs(it), link.buffered(), "buffered: $where") }
+                step["full"]?.let { assertEquals(it as Boolean, link.full(), "full: $where") }
             }
         }
     }
@@ -133,8 +134,10 @@ class OutboundLinkStateTest {
         l.onCommitted(1)
         l.disconnected(); l.connected()
         assertEquals(
-            "replay horizon passed: micro-batches 1-3 needed downstream of stage0-out were pruned and are lost; " +
-                "raise the replay horizon (buffer) to cover a failure",
+            "replay unavailable: micro-batches 1-3 needed downstream of stage0-out are no longer held " +
+                "(it holds 4 onward); the downstream asked below what it had reported committed, " +
+                "so its checkpoint or the upstream's replay files were lost: restore that stage's work dir " +
+                "or start a new run",
             l.onReplayRequest(1))
         assertEquals(4, l.next)
         l.onCredit(1)
@@ -142,17 +145,16 @@ class OutboundLinkStateTest {
     }
 
     @Test
-    fun `the horizon bound drops only hidden states already sent`() {
-        val l = OutboundLinkState<String>("stage1-out", 4, 2)
-        for (mb in 0L..4L) l.publish(mb, "h$mb")
-        assertEquals((0L..4L).toList(), l.buffered(), "not connected: nothing was sent, nothing may be dropped")
-        l.connected(); l.onReplayRequest(0); l.onCredit(1)
-        assertEquals(listOf(0L), drain(l))
-        l.publish(5, "h5")
-        assertEquals((1L..5L).toList(), l.buffered(), "only micro-batch 0 was sent")
-        assertEquals(1, l.prunedBelow)
-        l.disconnected(); l.connected()
-        assertEquals(LinkRules.horizonPassedMessage(0, 0, "stage1-out"), l.onReplayRequest(0))
+    fun `at the horizon nothing is dropped, the buffer is full until a commit`() {
+        val l = OutboundLinkState<String>("stage1-out", 2, 3)
+        for (mb in 0L..2L) l.publish(mb, "h$mb")
+        assertTrue(l.full(), "three held, horizon three: the producer waits")
+        l.connected(); l.onReplayRequest(0); l.onCredit(2)
+        assertEquals(listOf(0L, 1L), drain(l))
+        assertEquals((0L..2L).toList(), l.buffered(), "sent but not committed: kept")
+        l.onCommitted(0)
+        assertEquals(listOf(2L), l.buffered())
+        assertFalse(l.full())
     }
 
     @Test
@@ -263,19 +265,13 @@ class StageRestartTest {
     }
 
     @Test
-    fun `a restart past the replay horizon is reported, never skipped silently`(@TempDir dir: File) {
-        val up = OutboundLinkState<Long>("stage0-out", W, replayHorizon = 1)
-        val f = File(dir, "ck.bin")
-        val first = Downstream(StageTrainer(UpdateWindows(W), opt(), FileCheckpointStore(f), initial()), inflight = 4)
-        assertNull(first.greet(up))
-        for (mb in 0L until 4L) { up.publish(mb, mb); first.run(up, stopAfter = 1) }
-        up.publish(4, 4); first.run(up, stopAfter = 1) // window 2 half done
-        up.publish(5, 5) // sent, not yet used: the horizon of 1 drops 4
-        generateSequence { up.takeNext() }.forEach { (mb, h) -> first.queue.put(mb, h) }
-        up.publish(6, 6)
-        up.disconnected()
-        val second = Downstream(StageTrainer(UpdateWindows(W), opt(), FileCheckpointStore(f), initial()), inflight = 4)
-        assertEquals(LinkRules.horizonPassedMessage(4, 5, "stage0-out"), second.greet(up))
-        assertTrue(second.trainer.nextMicroBatch == 4L)
+    fun `a restart below what the upstream holds is reported, never skipped silently`() {
+        val up = OutboundLinkState<Long>("stage0-out", W, replayHorizon = 16)
+        for (mb in 0L until 6L) up.publish(mb, mb)
+        up.connected(); up.onReplayRequest(0); up.onCredit(6)
+        generateSequence { up.takeNext() }.toList()
+        up.onCommitted(1) // windows 0 and 1 used durably: dropped
+        up.disconnected(); up.connected()
+        assertEquals(LinkRules.replayUnavailableMessage(2, 2L * W - 1, "stage0-out", 2L * W), up.onReplayRequest(2))
     }
 }

@@ -26,8 +26,8 @@ import java.net.Socket
  * zl_mobile/links.py; the rules themselves are in [OutboundLinkState] and [InboundQueue].
  *
  * OutboundLink (upstream side, the TCP client, "host" of the link handshake with the link's token):
- * keeps every hidden state it produced until the downstream commits the window that used it (or
- * the buffer passes its replay horizon) and sends them in micro-batch order as the downstream
+ * keeps every hidden state it produced until the downstream commits the window that used it (the
+ * stage waits in [OutboundLink.waitForRoom] while the buffer holds its replay horizon) and sends them in micro-batch order as the downstream
  * grants credits. On (re)connection the downstream first says which micro-batch it needs next.
  */
 class OutboundLink(
@@ -69,6 +69,16 @@ class OutboundLink(
     }
 
     fun buffered(): List<Long> = synchronized(lock) { state.buffered() }
+
+    /** Backpressure: block while the replay buffer holds its bound (until the downstream commits
+     *  a window) or until [stop]; returns the nanoseconds waited. */
+    fun waitForRoom(stop: () -> Boolean): Long {
+        val t0 = System.nanoTime()
+        synchronized(lock) {
+            while (state.full() && !stopped && !stop()) lock.wait(200)
+        }
+        return System.nanoTime() - t0
+    }
 
     override fun close() {
         synchronized(lock) { stopped = true; closeQuietly(sock); lock.notifyAll() }

@@ -158,6 +158,9 @@ class StageRuntime(
         while (running) {
             val total = assignment.totalMicroBatches
             if (total != null && nextMicroBatch >= total) { Thread.sleep(200); continue }
+            // backpressure: wait for the downstream to commit before the next forward when the
+            // replay buffer holds its bound (waiting, not compute)
+            outbound?.let { waitNs += it.waitForRoom { !running } }
             val t0 = System.nanoTime()
             val mb = nextMicroBatch
             val m = queue.take(mb, 200)
