@@ -191,10 +191,11 @@ def one_stage_export(small_model_dir, tmp_path_factory):
     return out
 
 
-def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key) -> None:
+def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key, start=None, windows: int = 2) -> None:
     """One budgeted phone trains the one-stage export; out[key] = its CPU time over wall time across
     the second update window (after the first window's checkpoint, before the last one: no fsync
-    inside), sampled from /proc/PID/stat when each micro-batch's telemetry arrives."""
+    inside; with `windows` > 2, up to the last one), sampled from /proc/PID/stat when each
+    micro-batch's telemetry arrives. `start`: a barrier the run waits at once its phone is up."""
     from host.coordinator import Coordinator
     from host.emulate import start_phones
     from host.plan import RunSettings
@@ -209,14 +210,16 @@ def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key) 
             samples[rec["micro_batch"]] = (time.monotonic(), _cpu_seconds(pid))
 
     try:
-        settings = RunSettings(windows=2, window_size=m, inflight_depth=16, max_seconds=240)
+        if start is not None:
+            start.wait(timeout=300)
+        settings = RunSettings(windows=windows, window_size=m, inflight_depth=16, max_seconds=240)
         Coordinator(export_dir, [p.handle() for p in phones], small_micro_batches(export_dir, 32), settings,
                     root / "run", run_id="budget", on_event=on_event).run()
         throttled = cpu_budget.throttled_periods(pid)
     finally:
         for p in phones:
             p.stop()
-    (t0, c0), (t1, c1) = samples[m + 2], samples[2 * m - 2]
+    (t0, c0), (t1, c1) = samples[m + 2], samples[windows * m - 2]
     out[key] = {"share": (c1 - c0) / (t1 - t0), "wall_s": t1 - t0, "span": (t0, t1), "throttled": throttled}
 
 
@@ -233,8 +236,10 @@ def test_a_budgeted_phone_gets_its_share_during_a_run(one_stage_export, tmp_path
 
 def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp_path):
     got = {}
-    runs = [threading.Thread(target=_measured_share, args=(one_stage_export, tmp_path / k, s, got, k))
-            for k, s in (("a", 0.3), ("b", 0.4))]
+    start = threading.Barrier(2)  # both phones up before either run starts (phone start-up times vary)
+    # the faster phone measures two windows, so its span covers the slower one's second window
+    runs = [threading.Thread(target=_measured_share, args=(one_stage_export, tmp_path / k, s, got, k, start, w))
+            for k, s, w in (("a", 0.3, 2), ("b", 0.4, 3))]
     for t in runs:
         t.start()
     for t in runs:
