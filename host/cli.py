@@ -63,10 +63,10 @@ def cmd_emulate(a) -> int:
 
 
 # ---------------------------------------------------------------- data
-def prepare_data(export_dir: Path, manifest: dict, data: str | None):
+def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: bool = True):
     from transformers import AutoTokenizer
 
-    from .data import DataError, encode_examples, load_examples, make_microbatches
+    from .data import DataError, check_loss_positions, encode_examples, load_examples, make_microbatches
 
     tok_dir = export_dir / "tokenizer"
     if not tok_dir.is_dir():
@@ -79,6 +79,8 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None):
         e = manifest["export"]
         encoded = encode_examples(examples, tok, e["seq_len"])
         mbs = make_microbatches(encoded, e["micro_batch"], e["seq_len"], tok.pad_token_id, drop_last=False)
+        if training:  # a program never cuts a micro-batch's loss (eval reads the HF model's full logits)
+            check_loss_positions(mbs, e["readout_rows"], e["micro_batch"])
     except DataError as err:
         raise CliError(str(err)) from None
     if not mbs:
@@ -265,7 +267,7 @@ def cmd_eval(a) -> int:
     base = base_model_path(program, manifest)
     if base is None or not Path(base).is_dir():
         raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
-    _, held_out = split_held_out(prepare_data(program, manifest, a.data))
+    _, held_out = split_held_out(prepare_data(program, manifest, a.data, training=False))
     base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
     before = evaluate(base, None, held_out, base_weights)
     after = evaluate(base, adapter, held_out, base_weights)

@@ -1,6 +1,6 @@
 """Training data: the synthetic set, AG News / JSONL loaders, tokenisation, micro-batches."""
 
-from .batching import (IGNORE_INDEX, Encoded, EncodedList, encode_examples,
+from .batching import (IGNORE_INDEX, Encoded, EncodedList, check_loss_positions, encode_examples,
                        make_microbatches)
 from .loaders import (DEFAULT_SYNTHETIC_N, DataError, LoadedExamples, ag_news_example,
                       clean_ag_text, load_ag_news_csv, load_examples, load_jsonl)
@@ -8,7 +8,7 @@ from .synthetic import (LABELS, format_completion, format_prompt, synthetic_exam
                         synthetic_vocabulary)
 
 __all__ = [
-    "IGNORE_INDEX", "Encoded", "EncodedList", "encode_examples", "make_microbatches",
+    "IGNORE_INDEX", "Encoded", "EncodedList", "check_loss_positions", "encode_examples", "make_microbatches",
     "DEFAULT_SYNTHETIC_N", "DataError", "LoadedExamples", "ag_news_example", "clean_ag_text",
     "load_ag_news_csv", "load_examples", "load_jsonl",
     "LABELS", "format_completion", "format_prompt", "synthetic_examples",
