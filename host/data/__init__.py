@@ -4,6 +4,7 @@ from .batching import (IGNORE_INDEX, Encoded, EncodedList, check_loss_positions,
                        make_microbatches)
 from .loaders import (DEFAULT_SYNTHETIC_N, DataError, LoadedExamples, ag_news_example,
                       clean_ag_text, load_ag_news_csv, load_examples, load_jsonl)
+from .wordnet import DEFAULT_CATEGORIES, load_wordnet, wordnet_splits
 from .synthetic import (LABELS, format_completion, format_prompt, synthetic_examples,
                         synthetic_vocabulary)
 
@@ -12,5 +13,5 @@ __all__ = [
     "DEFAULT_SYNTHETIC_N", "DataError", "LoadedExamples", "ag_news_example", "clean_ag_text",
     "load_ag_news_csv", "load_examples", "load_jsonl",
     "LABELS", "format_completion", "format_prompt", "synthetic_examples",
-    "synthetic_vocabulary",
+    "synthetic_vocabulary", "DEFAULT_CATEGORIES", "load_wordnet", "wordnet_splits",
 ]
