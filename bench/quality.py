@@ -13,6 +13,10 @@ rate picked by the same sweep on the validation split (validation answer NLL):
   zero-shot  the base model, no training
   bp         LoRA through the whole model, global CE at the final head (peft, eager)
   zl0.5      ZeroLock, alpha = 0.5; zl1  ZeroLock, alpha = 1
+  zl0.5-ra   ZeroLock, alpha = 0.5, with the seed's readout adapter (option b): chunks 0..K-2 read
+             out through norm(h + W_d gelu(W_u h)) (rank 64, W_d = 0 at start: the identity), trained
+             with the chunk's LoRA by its local loss; p_{k-1} through chunk k-1's adapter (stopgrad);
+             the adapters are not in the LoRA adapter's forward path (the last chunk has none)
 ZeroLock runs each chunk as exporter.chunk_model.ChunkModel, the module zl-export traces into
 the phones' programs (the eager backend runs the same module; tests/test_eager_backend.py holds it
 to the ExecuTorch programs within 1e-6), fed the upstream chunk's detached h, one micro-batch at
@@ -54,7 +58,8 @@ RESULTS = ROOT / "bench" / "results" / "quality.json"
 PLOT = ROOT / "bench" / "results" / "quality_curve.png"
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
-METHODS = ("zero-shot", "bp", "zl0.5", "zl1")
+METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra")
+RA_RANK = 64
 
 
 # ---------------------------------------------------------------- model and data
@@ -138,7 +143,17 @@ class Trainer:
         self.data = {n: p.data for n, p in self.params.items()}
         self.acc = WindowGradients(self.data)
         self.opt = AdamW(self.data, AdamWConfig(lr=lr))
-        self.alpha = {"zl0.5": 0.5, "zl1": 1.0}.get(method)
+        self.alpha = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5}.get(method)
+        self.adapters = None
+        if method == "zl0.5-ra":
+            d = pm.base_model.model.config.hidden_size
+            self.adapters = make_readout_adapters(d, len(CHUNKS) - 1)
+            for k, ad in enumerate(self.adapters):
+                for n, t in ad.items():
+                    self.params[f"readout_adapter.{k}.{n}"] = t
+            self.data = {n: p.data for n, p in self.params.items()}
+            self.acc = WindowGradients(self.data)
+            self.opt = AdamW(self.data, AdamWConfig(lr=lr))
         if self.alpha is not None:
             cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alpha)
             self.chunks = [ChunkModel(pm, f, l, cfg) for f, l in CHUNKS]
@@ -160,6 +175,23 @@ class Trainer:
             loss = F.nll_loss(logp, _t(b, "labels")[valid])
             loss.backward()
             losses["task_2"] = float(loss.detach())
+        elif self.adapters is not None:  # ZeroLock with readout adapters (plain autograd)
+            llama = self.pm.base_model.model
+            valid = _t(b, "labels") != -100
+            y = _t(b, "labels")[valid]
+            x = _t(b, "input_ids")
+            h_in = llama.model.embed_tokens(x)
+            with torch.no_grad():
+                logq = F.log_softmax(llama.lm_head(llama.model.norm(h_in[valid])), dim=-1)
+            for k, ch in enumerate(self.chunks):
+                h = ch.run_layers(h_in, _t(b, "attention_mask"), _t(b, "position_ids"))
+                ad = self.adapters[k] if k < len(self.adapters) else None
+                logp = F.log_softmax(llama.lm_head(llama.model.norm(adapt(h[valid], ad))), dim=-1)
+                ce = F.nll_loss(logp, y)
+                kl = (logp.exp() * (logp - logq)).sum(-1).mean()
+                (self.alpha * ce + (1 - self.alpha) * kl).backward()
+                losses[f"task_{k}"], losses[f"consis_{k}"] = float(ce.detach()), float(kl.detach())
+                logq, h_in = logp.detach(), h.detach()
         else:  # ZeroLock: each chunk its local loss, on the upstream chunk's detached h
             index, target, weight, dropped = readout_positions(labels, labels.size)
             assert dropped == 0
@@ -178,6 +210,17 @@ class Trainer:
 
     def end_window(self, window):
         self.opt.step(self.acc.mean(window))
+
+
+def make_readout_adapters(d, n, rank=RA_RANK):
+    """Option (b): per chunk, W_u [rank, d] small random, W_d [d, rank] zero (starts as identity)."""
+    g = torch.Generator().manual_seed(1234)
+    return [{"up": (torch.randn(rank, d, generator=g) / math.sqrt(d)).requires_grad_(True),
+             "down": torch.zeros(d, rank, requires_grad=True)} for _ in range(n)]
+
+
+def adapt(h, ad):
+    return h if ad is None else h + F.gelu(h @ ad["up"].T) @ ad["down"].T
 
 
 # ---------------------------------------------------------------- evaluation
@@ -205,7 +248,7 @@ def delta_k(logp, logq, y, alpha=0.5):
 
 
 @torch.no_grad()
-def evaluate(pm_or_base, mbs, label_ids) -> dict:
+def evaluate(pm_or_base, mbs, label_ids, adapters=None) -> dict:
     """Per chunk readout: answer NLL, label accuracy, choice accuracy, delta_k (label position)."""
     llama = pm_or_base.base_model.model if hasattr(pm_or_base, "base_model") else pm_or_base
     norm, head = llama.model.norm, llama.lm_head
@@ -228,7 +271,8 @@ def evaluate(pm_or_base, mbs, label_ids) -> dict:
         prev_lab = F.log_softmax(head(norm(hs[0][first])), dim=-1)
         for k, (_, last) in enumerate(CHUNKS):
             is_final = k == K - 1
-            u = (lambda sel: hs[-1][sel]) if is_final else (lambda sel, h=hs[last + 1]: norm(h[sel]))
+            ad = adapters[k] if adapters is not None and k < len(adapters) else None
+            u = (lambda sel: hs[-1][sel]) if is_final else (lambda sel, h=hs[last + 1], ad=ad: norm(adapt(h[sel], ad)))
             logp_all = F.log_softmax(head(u(valid)), dim=-1)
             logp_lab = F.log_softmax(head(u(first)), dim=-1)
             s = sums[k]
@@ -272,14 +316,14 @@ def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve
                     tr.end_window(w)
                     if curve_mbs is not None and a.curve_every and (seen >= next_curve or i == len(train_mbs) - 1):
                         next_curve = seen + a.curve_every
-                        c = final(evaluate(pm, curve_mbs, label_ids))
+                        c = final(evaluate(pm, curve_mbs, label_ids, tr.adapters))
                         curve.append({"samples": seen, **c})
                 log(f"  {method} lr={lr:g} seed={seed} mb {i + 1}/{len(train_mbs)} "
                     + " ".join(f"{k}={v:.3f}" for k, v in losses.items()) + f" ({time.time() - t0:.0f} s)")
-            first_losses = tr.first_losses
+            first_losses, adapters = tr.first_losses, tr.adapters
         else:
-            first_losses = None
-        ev = evaluate(pm, eval_mbs, label_ids)
+            first_losses, adapters = None, None
+        ev = evaluate(pm, eval_mbs, label_ids, adapters)
         return {"method": method, "lr": lr, "seed": seed, "split": eval_split, "eval": ev, "curve": curve,
                 "first_step_losses": first_losses, "train_seconds": time.time() - t0,
                 "samples": len(data["train"]) if method != "zero-shot" else 0}
@@ -313,11 +357,11 @@ def plot(runs, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in ("bp", "zl0.5", "zl1"):
+    for m in ("bp", "zl0.5", "zl1", "zl0.5-ra"):
         rs = [r for r in runs if r["method"] == m and r["split"] == "test" and r["curve"]]
         for i, r in enumerate(rs):
             ax.plot([c["samples"] for c in r["curve"]], [c["choice_accuracy"] for c in r["curve"]], marker="o",
-                    color={"bp": "C0", "zl0.5": "C1", "zl1": "C2"}[m], alpha=0.8, label=m if i == 0 else None)
+                    color={"bp": "C0", "zl0.5": "C1", "zl1": "C2", "zl0.5-ra": "C3"}[m], alpha=0.8, label=m if i == 0 else None)
     zs = [r for r in runs if r["method"] == "zero-shot" and r["split"] == "test"]
     if zs:
         ax.axhline(final(zs[0]["eval"])["choice_accuracy"], color="grey", ls="--", label="zero-shot (test)")
