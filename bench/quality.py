@@ -383,7 +383,8 @@ def markdown(res) -> str:
     lines = [
         f"Run {res['finished']} on {res['machine']['cpu']} ({res['machine']['cores']} cores, **shared with ~8 other "
         f"engineers' jobs**; load average {res['load_average']}). Script: `python bench/quality.py "
-        f"{' '.join(res['argv'])}`. Results: `bench/results/quality.json`, plot `bench/results/quality_curve.png`.",
+        f"{' '.join(res['argv'])}`" + (f", then `python bench/quality.py {' '.join(res['argv_extra'])}` (runs merged)"
+                                       if res.get("argv_extra") else "") + ". Results: `bench/results/quality.json`, plot `bench/results/quality_curve.png`.",
         "",
         f"**What was run (a small configuration, not the issue's full one):** {a['train']} training samples, "
         f"{a['val']} validation, {a['test']} test (WordNet noun glosses, 5 balanced categories, data seed "
