@@ -435,7 +435,14 @@ def notes(res) -> list[str]:
                    f"{fl['consis_1']:.1f} / {fl['consis_2']:.1f}. With alpha < 1 the last chunk is pulled toward chunk "
                    f"1's readout, which is confidently wrong on this model (CE far above the uniform distribution's"
                    f" ln V = {math.log(49152):.1f}): the seed's readout adapter (option b) "
-                   f"is the remedy to try; it was not tried in this session.")
+                   f"is the remedy to try" + ("; see zl0.5-ra." if "zl0.5-ra" in s else "; it was not tried in this session."))
+    if "zl0.5-ra" in s and "zl0.5" in s:
+        ra, zl = s["zl0.5-ra"], s["zl0.5"]
+        out.append(f"- Readout adapter (option b, zl0.5-ra) against the frozen readout (zl0.5): answer NLL "
+                   f"{ra['answer_nll']['mean']:.3f} vs {zl['answer_nll']['mean']:.3f}, choice accuracy "
+                   f"{ra['choice_accuracy']['mean']:.3f} vs {zl['choice_accuracy']['mean']:.3f}; chunk 0 / 1 readout NLL "
+                   f"{ra['chunks']['chunk_0']['answer_nll']:.2f} / {ra['chunks']['chunk_1']['answer_nll']:.2f} vs "
+                   f"{zl['chunks']['chunk_0']['answer_nll']:.2f} / {zl['chunks']['chunk_1']['answer_nll']:.2f}.")
     out.append("- Not run in this session: ZeroLock through the real pipeline (ExecuTorch programs on emulated phones) "
                "on SmolLM2, which needs `zl-export --model smollm2` (another branch). The ZeroLock path here runs "
                "exporter.chunk_model.ChunkModel, the module zl-export traces, one chunk at a time on the upstream "
