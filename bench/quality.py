@@ -58,6 +58,7 @@ RESULTS = ROOT / "bench" / "results" / "quality.json"
 PLOT = ROOT / "bench" / "results" / "quality_curve.png"
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
+KEEP = "### Reading the run"  # a hand-written sub-section after the generated part, kept on re-render
 METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra")
 RA_RANK = 64
 
@@ -389,7 +390,9 @@ def markdown(res) -> str:
         f"**What was run (a small configuration, not the issue's full one):** {a['train']} training samples, "
         f"{a['val']} validation, {a['test']} test (WordNet noun glosses, 5 balanced categories, data seed "
         f"{a['data_seed']}), seq len {a['seq_len']}, micro-batch {a['micro_batch']}, window {a['window']} "
-        f"micro-batch(es), seeds {a['seeds']}, LR sweep {a['lrs']} on validation answer NLL. SmolLM2-135M-Instruct "
+        f"micro-batch(es), seeds {a['seeds']}, "
+        + (f"LR sweep {a['lrs']} on validation answer NLL." if "," in a["lrs"] else f"one LR for every method, {a['lrs']} (no sweep).")
+        + f" SmolLM2-135M-Instruct "
         f"(GGUF Q4_1 dequantized to fp32), 3 chunks (layers 0-9, 10-19, 20-29), LoRA r=8, lora_alpha=16, "
         f"q_proj/v_proj, zl_mobile AdamW, token-level window mean.",
         "",
@@ -477,7 +480,7 @@ def main(argv=None) -> int:
     if a.render:
         res = json.loads(Path(a.render).read_text())
         plot(res["runs"], PLOT)
-        replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks")
+        replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks", keep_from=KEEP)
         return 0
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -538,7 +541,7 @@ def main(argv=None) -> int:
         print(f"plot failed: {e}")
     print(json.dumps(res["summary"], indent=1))
     if not a.no_doc:
-        replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks")
+        replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks", keep_from=KEEP)
     return 0
 
 
