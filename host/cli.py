@@ -84,10 +84,10 @@ def cpu_shares(text: str | None, n: int) -> list[float] | None:
 
 
 # ---------------------------------------------------------------- data
-def prepare_data(export_dir: Path, manifest: dict, data: str | None):
+def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: bool = True):
     from transformers import AutoTokenizer
 
-    from .data import DataError, check_rejected, encode_examples, load_examples, make_microbatches
+    from .data import DataError, check_loss_positions, check_rejected, encode_examples, load_examples, make_microbatches
 
     tok_dir = export_dir / "tokenizer"
     if not tok_dir.is_dir():
@@ -103,6 +103,8 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None):
         e = manifest["export"]
         encoded = encode_examples(examples, tok, e["seq_len"])
         mbs = make_microbatches(encoded, e["micro_batch"], e["seq_len"], tok.pad_token_id, drop_last=False)
+        if training:  # a program never cuts a micro-batch's loss (eval reads the HF model's full logits)
+            check_loss_positions(mbs, e["readout_rows"], e["micro_batch"])
     except DataError as err:
         raise CliError(str(err)) from None
     if not mbs:
@@ -360,7 +362,7 @@ def cmd_eval(a) -> int:
         check_adapter(adapter, Path(base), manifest.get("lora"))
     except AdapterError as e:
         raise CliError(str(e)) from None
-    _, held_out = split_held_out(prepare_data(program, manifest, a.data))
+    _, held_out = split_held_out(prepare_data(program, manifest, a.data, training=False))
     base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
     before = evaluate(base, None, held_out, base_weights)
     after = evaluate(base, adapter, held_out, base_weights)
@@ -402,7 +404,7 @@ def build_parser():
     e.set_defaults(func=cmd_emulate)
     r = sub.add_parser("run", help="train: ZeroLock over the phones")
     r.add_argument("--program", help="zl-export output dir")
-    r.add_argument("--data", default=None, help="AG News CSV or JSONL; omit for the tiny model's synthetic set")
+    r.add_argument("--data", default=None, help="AG News CSV, JSONL, or wordnet[:validation|test] (WordNet noun glosses by category); omit for the tiny model's synthetic set")
     r.add_argument("--devices", default="auto", help="auto | emulated:N | NAME,NAME,...")
     r.add_argument("--steps", type=int, default=8, help="optimizer steps (update windows)")
     r.add_argument("--epochs", type=float, default=None, help="instead of --steps: passes over the training data")

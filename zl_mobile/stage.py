@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from .accumulate import WindowGradients
 from .adamw import AdamW, AdamWConfig
 from .checkpoint import Checkpoint, CheckpointStore
 from .links import InboundLink, InboundQueue, OutboundLink
@@ -116,8 +117,7 @@ class Stage:
             self.committed = ckpt.window
         W = cfg.window_size
         self.next_mb = (self.committed + 1) * W
-        self._acc: dict[int, dict] = {}       # window -> summed LoRA grads
-        self._count: dict[int, int] = {}      # window -> micro-batches accumulated
+        self._acc = WindowGradients(self.lora)  # window -> token-weighted LoRA grads (accumulate.py)
         self._pending: dict[int, dict] = {}   # micro-batch -> what its L/B step needs (saved activations...)
         self.grads_in = InboundQueue(drop_older=False)  # BP: dL/dh_k from downstream, by micro-batch
         self.done_micro_batches = 0
@@ -191,6 +191,10 @@ class Stage:
     def _batch(self, msg: Message) -> dict:
         t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in msg.tensors.items()}
         index, target, weight, dropped = readout_positions(t["labels"].numpy(), self.readout_rows)
+        if dropped:  # the host checks this before a run (host.data.check_loss_positions); never silently
+            raise ValueError(f"micro-batch {msg['micro_batch']} has {int(weight.sum()) + dropped} valid positions, more "
+                             f"than the program's {self.readout_rows}; re-export with zl-export --loss-positions "
+                             f"{int(weight.sum()) + dropped} or more")
         return {self.first_input: t["h"], "attention_mask": t["attention_mask"], "position_ids": t["position_ids"],
                 "loss_index": torch.from_numpy(index), "loss_target": torch.from_numpy(target),
                 "loss_weight": torch.from_numpy(weight), "alpha": self.alpha, "_dropped": dropped}
@@ -239,7 +243,7 @@ class Stage:
             res = self.program.phase2(p["lora"], p["saved"], p["batch"])
         p["t"]["phase2_start"] = t0
         del p["saved"]  # saved activations go as soon as phase 2 has run
-        self._accumulate(p["window"], res.grads)
+        self._accumulate(p["window"], res.grads, p["batch"]["loss_weight"])
         self._telemetry(mb, p, {"loss": res.loss, "task_loss": res.task_loss, "consis_loss": res.consis_loss})
 
     def _backward(self, mb: int) -> None:
@@ -257,15 +261,12 @@ class Stage:
         if "grad_h_in" in out and self.k > 0:
             self.inbound.send_gradient(mb, out["grad_h_in"].detach().clone().numpy())
         grads = {n[5:]: t for n, t in out.items() if n.startswith("grad:")}
-        self._accumulate(p["window"], grads)
+        self._accumulate(p["window"], grads, p["batch"]["loss_weight"])
         loss = float(out["loss"]) if "loss" in out else None
         self._telemetry(mb, p, {"loss": loss, "task_loss": loss})
 
-    def _accumulate(self, w: int, grads: dict) -> None:
-        acc = self._acc.setdefault(w, {n: torch.zeros_like(t) for n, t in self.lora.items()})
-        for n, g in grads.items():
-            acc[n].add_(g)
-        self._count[w] = self._count.get(w, 0) + 1
+    def _accumulate(self, w: int, grads: dict, loss_weight: torch.Tensor) -> None:
+        self._acc.add(w, grads, float(loss_weight.sum()))  # weighted by the micro-batch's valid positions
         self.done_micro_batches += 1
 
     def _telemetry(self, mb: int, p: dict, losses: dict) -> None:
@@ -334,11 +335,10 @@ class Stage:
         return self._weights_pss or None
 
     def _end_window(self, w: int) -> None:
-        acc = self._acc.pop(w)
-        n = max(self._count.pop(w), 1)
+        grads = self._acc.mean(w)  # the mean over the window's valid positions
         t0 = time.time()
         with self.clock.span("step"):
-            self.opt.step({k: g / n for k, g in acc.items()})
+            self.opt.step(grads)
             self._maybe_fail("before-commit", w)
             if self.outbound is not None:
                 self.outbound.sync()  # the window's hidden states are durable before its commit

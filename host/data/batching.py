@@ -149,3 +149,25 @@ def make_microbatches(encoded, micro_batch_size: int, seq_len: int, pad_id: int,
         batches.append({"input_ids": input_ids, "attention_mask": attention,
                         "position_ids": positions.copy(), "labels": labels})
     return batches
+
+
+def check_loss_positions(batches, capacity: int, micro_batch_size: int | None = None) -> None:
+    """Refuse micro-batches with more valid (answer) positions than the program reads out.
+
+    A program gathers at most ``capacity`` positions (``zl-export --loss-positions``, default
+    micro-batch x seq-len) for its readout; more would be cut. Raises :class:`DataError` with one
+    line naming the micro-batches, the rows, the largest count and the export option to raise.
+    """
+    over = [(i, int((np.asarray(b["labels"]) != IGNORE_INDEX).sum())) for i, b in enumerate(batches)]
+    over = [(i, n) for i, n in over if n > capacity]
+    if not over:
+        return
+    worst_i, worst_n = max(over, key=lambda t: t[1])
+    B = micro_batch_size or len(batches[worst_i]["labels"])
+    S = np.asarray(batches[worst_i]["labels"]).shape[-1]
+    names = ", ".join(str(i) for i, _ in over[:5]) + (f" and {len(over) - 5} more" if len(over) > 5 else "")
+    raise DataError(
+        f"{len(over)} micro-batch(es) ({names}) have more valid positions than the program's "
+        f"--loss-positions {capacity}: micro-batch {worst_i} (tokenised rows {worst_i * B}-{worst_i * B + B - 1}) "
+        f"has {worst_n}; re-export with zl-export --loss-positions {worst_n} or more (at most "
+        f"micro-batch x seq-len = {B * S}), or shorten the answers")

@@ -248,15 +248,21 @@ _BAD_JSON = object()
 def load_examples(path: str | None) -> LoadedExamples:
     """Load a dataset by extension: ``.csv`` (AG News) or ``.jsonl``/``.json``.
 
-    ``None`` gives the built-in synthetic set (``DEFAULT_SYNTHETIC_N`` examples, seed 0).
+    ``None`` gives the built-in synthetic set (``DEFAULT_SYNTHETIC_N`` examples, seed 0);
+    ``"wordnet"`` / ``"wordnet:validation"`` / ``"wordnet:test"`` a split of WordNet's noun
+    glosses labelled by category (``host/data/wordnet.py``; Debian's ``wordnet-base``).
     """
     if path is None:
         return LoadedExamples(synthetic_examples(DEFAULT_SYNTHETIC_N, seed=0),
                               source="synthetic", n_read=DEFAULT_SYNTHETIC_N)
     path = os.fspath(path)
+    if not os.path.exists(path) and (path == "wordnet" or path.startswith("wordnet:")):
+        from .wordnet import load_wordnet  # WordNet noun glosses by category (host/data/wordnet.py)
+
+        return load_wordnet(path)
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path}; pass an existing .csv (AG News) or "
-                        f".jsonl/.json file, or no data file for the built-in synthetic set")
+                        f".jsonl/.json file, wordnet[:validation|test], or no data file for the built-in synthetic set")
     if os.path.isdir(path):
         raise DataError(f"data path is a directory, not a file: {path}; pass the .csv or "
                         f".jsonl file inside it")
