@@ -84,13 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_failures(specs) -> list[dict]:
-    from host.cli import CliError, parse_failures as host_parse
+# before-commit-behind: at the end of window W, wait until the first h_{k-1} of window W+1 has
+# arrived (so upstream has committed W), then die before committing W: the restart then has a gap
+# of one window that upstream must re-send from its replay log (a deterministic test of it)
+DIST_FAILURE_POINTS = (*FAILURE_POINTS, "before-commit-behind")
 
-    try:
-        return host_parse(specs)
-    except CliError as e:
-        raise DistError(str(e)) from None
+
+def parse_failures(specs) -> list[dict]:
+    out = []
+    for spec in specs or []:
+        try:
+            d = dict(part.split("=", 1) for part in spec.split(","))
+            f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": d.get("point", "after-phase1")}
+        except (KeyError, ValueError):
+            raise DistError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...]") from None
+        if f["point"] not in DIST_FAILURE_POINTS:
+            raise DistError(f"--inject-failure point {f['point']!r}: use one of {', '.join(DIST_FAILURE_POINTS)}")
+        out.append(f)
+    return out
 
 
 def pick_device(spec: str) -> torch.device:
@@ -362,6 +373,10 @@ class DistStage:
         with self.clock.span("step"):
             self.opt.step({k: g / n for k, g in acc.items()})
             self._maybe_fail("before-commit", w)
+            if self.k > 0 and (w + 1) * self.W < self.total and self._failure_due("before-commit-behind", w):
+                self._prepost((w + 1) * self.W)
+                self.recvs[(w + 1) * self.W][0].wait()  # upstream has committed w: it sent window w + 1
+                self._maybe_fail("before-commit-behind", w)
             sha = self.store.commit(Checkpoint(window=w, step=self.opt.step_count, lora=self.lora,
                                                optimizer=self.opt.state_tensors(),
                                                meta={"next_micro_batch": (w + 1) * self.W}))
@@ -381,12 +396,14 @@ class DistStage:
             "temperature_c": read_temperature_c(), "cuda_max_allocated_bytes": self._cuda_peak()})
         self._record("CHECKPOINT_COMMITTED", {"window": w, "step": self.opt.step_count, "sha256": sha})
 
+    def _failure_due(self, point: str, window: int) -> bool:
+        return (any(f["point"] == point and f["window"] == window for f in self.failures)
+                and not (self.run_dir / f"failure-injected-{self.k}-{window}-{point}").exists())
+
     def _maybe_fail(self, point: str, window: int) -> None:
-        if not any(f["point"] == point and f["window"] == window for f in self.failures):
+        if not self._failure_due(point, window):
             return
         marker = self.run_dir / f"failure-injected-{self.k}-{window}-{point}"
-        if marker.exists():
-            return
         marker.write_text("injected")
         self._record("FAILURE_INJECTED", {"window": window, "point": point})
         if point == "mid-checkpoint":  # leave a half-written checkpoint behind, as a crash would
@@ -440,6 +457,19 @@ def _write_run_json(a, windows: int, run_id: str, world: int) -> None:
     tmp.replace(Path(a.out) / "run.json")
 
 
+def _attempt_store(timeout: float):
+    """torchrun's store, with this restart's keys apart from the last one's. torchrun (the c10d
+    rendezvous and the static one alike, sharing the agent's TCPStore) keeps the store across
+    --max-restarts, and Gloo's connectFullMesh then reads the previous attempt's addresses:
+    "Connection refused" on every restart (seen with torch 2.13; pytorch/pytorch#135712)."""
+    from datetime import timedelta
+
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=not agent and os.environ["RANK"] == "0", timeout=timedelta(seconds=timeout))
+    return dist.PrefixStore(f"zl_dist/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", base)
+
+
 def init_distributed(a):
     """The default process group (Gloo for CPU tensors, NCCL for CUDA ones where CUDA is there) and
     a Gloo group for control (commit notices, the final gather). (device, ctrl, wire devices)."""
@@ -452,7 +482,8 @@ def init_distributed(a):
         torch.cuda.set_device(device)
     from datetime import timedelta
 
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=a.timeout))
+    dist.init_process_group(backend=backend, store=_attempt_store(a.timeout), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=a.timeout))
     ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=a.timeout))
     types = [None] * dist.get_world_size()
     dist.all_gather_object(types, device.type, group=ctrl)

@@ -93,6 +93,10 @@ def make_loss_fn(chunk, readout_rows: int, device: torch.device):
     return loss_fn
 
 
+def _not_last(*_):
+    raise RuntimeError("the loss is computed on the last stage only")
+
+
 def make_schedule(name: str, stage, n_microbatches: int, loss_fn):
     from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleavedZeroBubble
 
@@ -115,9 +119,17 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
     wire = device if a.wire == "device" else torch.device("cpu")
     chunk, lora = build_bp_chunk(Path(a.program), manifest, k, device)
     opt = AdamW({n: p.data for n, p in lora.items()}, AdamWConfig(lr=a.lr))
-    stage = PipelineStage(PipeChunk(chunk, device, wire), k, world, wire)
+    # static shapes (the export's micro-batch): no metadata round at the first step
+    B, S = manifest["export"]["micro_batch"], manifest["export"]["seq_len"]
+    d = manifest["model"]["hf_config"]["hidden_size"]
+    h = torch.empty(B, S, d, device=wire)
+    x_in = torch.empty(B, S, dtype=torch.long, device=wire) if k == 0 else h
+    stage = PipelineStage(PipeChunk(chunk, device, wire), k, world, wire, input_args=(x_in,), output_args=(h,),
+                          input_grads=(None,) if k == 0 else (h,), output_grads=(None,) if k == world - 1 else (h,))
     W = a.window
-    loss_fn = make_loss_fn(chunk, manifest["export"]["readout_rows"], device) if k == world - 1 else None
+    # every rank passes a loss_fn: torch's schedules run backward only where one is given (only the
+    # last stage calls it)
+    loss_fn = make_loss_fn(chunk, manifest["export"]["readout_rows"], device) if k == world - 1 else _not_last
     sched = make_schedule(a.schedule, stage, W, loss_fn)
     out = Path(a.out)
     (out / "ranks").mkdir(parents=True, exist_ok=True)
