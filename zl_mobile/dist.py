@@ -48,6 +48,7 @@ from .schedules import schedule
 from .stage import FAILURE_EXIT_CODE, FAILURE_POINTS
 from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
+SCHEDULES = ("zerolock", "gpipe", "1f1b", "zerobubble")
 NOTICE_TAG = 1 << 30  # commit notices (downstream -> upstream); hidden states use the micro-batch id
 
 
@@ -69,8 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--alpha", type=float, default=None, help="override the export's task/consistency blend")
     p.add_argument("--out", required=True, help="run dir (the same on every rank of a machine; rank 0 writes the report)")
-    p.add_argument("--schedule", default="zerolock", choices=["zerolock", "gpipe", "1f1b", "zerobubble"],
-                   help="zerolock (this runtime), or a BP baseline through torch.distributed.pipelining")
+    p.add_argument("--schedule", default="zerolock",
+                   help="zerolock (this runtime), or a BP baseline through torch.distributed.pipelining: gpipe, "
+                        "1f1b, zerobubble; several, comma-separated, run one after another in RUN_DIR/<schedule>/")
     p.add_argument("--torch-device", default="auto", help="auto (cuda:LOCAL_RANK when CUDA is there, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--wire", default="cpu", choices=["cpu", "device"],
                    help="cpu: hidden states over Gloo (CPU copies; works for ranks sharing a GPU); device: CUDA "
@@ -500,19 +502,37 @@ def init_distributed(a):
 
 
 def run(a) -> int:
+    import copy
+
     a.inject_failure = parse_failures(a.inject_failure)
+    schedules = [x.strip() for x in a.schedule.split(",") if x.strip()]
+    bad = [x for x in schedules if x not in SCHEDULES]
+    if bad or not schedules:
+        raise DistError(f"--schedule {a.schedule!r}: use one or more (comma-separated) of {', '.join(SCHEDULES)}")
     if a.threads:
         torch.set_num_threads(a.threads)
     manifest, train, windows = load_run_inputs(a)
     if a.inflight < 1:
         raise DistError("--inflight must be >= 1")
-    Path(a.out).mkdir(parents=True, exist_ok=True)
     device, ctrl, wire = init_distributed(a)
+    for name in schedules:  # side by side in one launch: RUN_DIR/<schedule>/ each
+        one = copy.copy(a)
+        one.schedule = name
+        if len(schedules) > 1:
+            one.out = str(Path(a.out) / name)
+        Path(one.out).mkdir(parents=True, exist_ok=True)
+        _run_one(one, manifest, train, windows, device, ctrl, wire)
+    dist.destroy_process_group()
+    return 0
+
+
+def _run_one(a, manifest, train, windows, device, ctrl, wire) -> None:
     rank = dist.get_rank()
     run_id = f"dist-{Path(a.out).resolve().name}"
     if rank == 0:
         _write_run_json(a, windows, run_id, dist.get_world_size())
-    started = time.time()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     if a.schedule == "zerolock":
         stage = DistStage(a, manifest, train, windows, device, ctrl, wire)
         stage.run()
@@ -520,25 +540,26 @@ def run(a) -> int:
         extra = {"schedule": "zerolock", "rss_peak_bytes": stage.peak_rss or None,
                  "cuda_max_allocated_bytes": stage._cuda_peak()}
         stage.metrics.close()
+        del stage
     else:
         from .dist_pipelining import run_baseline
 
+        if a.window < dist.get_world_size() and a.schedule != "gpipe":
+            raise DistError(f"--schedule {a.schedule} (torch.distributed.pipelining) needs --window >= the number "
+                            f"of stages ({dist.get_world_size()}), got {a.window}")
         lora, extra = run_baseline(a, manifest, train, windows, device, ctrl)
     lines = (Path(a.out) / "ranks" / f"rank_{rank}.jsonl").read_text().splitlines()
     got = [None] * dist.get_world_size() if rank == 0 else None
     dist.gather_object((lora, lines, extra), got, dst=0, group=ctrl)
-    first = min((json.loads(x)["t"] for part in (got or []) for x in part[1]
-                 if json.loads(x)["type"] == "DIST_RESUME"), default=started)
     if rank == 0:
         merged = {n: v for part in got for n, v in part[0].items()}
         records = [json.loads(x) for part in got for x in part[1]]
+        first = min((r["t"] for r in records if r["type"] == "DIST_RESUME"), default=time.time())
         per_rank = {f"rank_{i}": part[2] for i, part in enumerate(got) if part[2]}
         adapter = write_run_dir(a, manifest, windows, run_id, time.time() - first, merged, records,
                                 {"ranks": per_rank} if per_rank else None)
-        print(f"zl-dist: adapter {adapter}  report {Path(a.out) / 'report.md'}", file=sys.stderr)
+        print(f"zl-dist: {a.schedule}: adapter {adapter}  report {Path(a.out) / 'report.md'}", file=sys.stderr)
     dist.barrier(group=ctrl)
-    dist.destroy_process_group()
-    return 0
 
 
 def main(argv=None) -> int:
