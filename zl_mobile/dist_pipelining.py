@@ -118,7 +118,6 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
     k, world = dist.get_rank(), dist.get_world_size()
     wire = device if a.wire == "device" else torch.device("cpu")
     chunk, lora = build_bp_chunk(Path(a.program), manifest, k, device)
-    opt = AdamW({n: p.data for n, p in lora.items()}, AdamWConfig(lr=a.lr))
     # static shapes (the export's micro-batch): no metadata round at the first step
     B, S = manifest["export"]["micro_batch"], manifest["export"]["seq_len"]
     d = manifest["model"]["hf_config"]["hidden_size"]
@@ -126,6 +125,8 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
     x_in = torch.empty(B, S, dtype=torch.long, device=wire) if k == 0 else h
     stage = PipelineStage(PipeChunk(chunk, device, wire), k, world, wire, input_args=(x_in,), output_args=(h,),
                           input_grads=(None,) if k == 0 else (h,), output_grads=(None,) if k == world - 1 else (h,))
+    chunk.to(device)  # where it computes, whatever the stage did with it (its buffers live on `wire`)
+    opt = AdamW({n: p.data for n, p in lora.items()}, AdamWConfig(lr=a.lr))
     W = a.window
     # every rank passes a loss_fn: torch's schedules run backward only where one is given (only the
     # last stage calls it)
