@@ -86,7 +86,7 @@ def test_zerolock_ranks_equal_emulated_phones(dist_runs, small_export, data_file
     out = small_export[0]
     _, train = _train(out, data_file)
     settings = RunSettings(windows=WINDOWS, window_size=WINDOW, lr=2e-3, inflight_depth=2)
-    result, phone_records = run_pipeline(out, tmp_path, settings, train, phone_args=["--backend", "eager"])
+    result, phone_records = run_pipeline(out, tmp_path, settings, train, phone_args=["--backend", "eager", "--threads", "1"])
     assert not result["errors"]
     got = _adapter(run)
     assert set(got) == set(result["lora"]) and len(got) == 12

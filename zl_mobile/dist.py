@@ -41,6 +41,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from host.plan import RunSettings
+
 from .adamw import AdamW, AdamWConfig
 from .checkpoint import Checkpoint, CheckpointStore
 from .readout import readout_positions
@@ -67,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batches", type=int, default=None, help="instead of --steps: total micro-batches")
     p.add_argument("--window", type=int, default=4, help="micro-batches per update window")
     p.add_argument("--inflight", type=int, default=2, help="hidden states in flight per link (sends and preposted receives)")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--lr", type=float, default=RunSettings.lr)
+    p.add_argument("--weight-decay", type=float, default=RunSettings.weight_decay,
+                   help="AdamW weight decay (zl-host run's default)")
     p.add_argument("--alpha", type=float, default=None, help="override the export's task/consistency blend")
     p.add_argument("--out", required=True, help="run dir (the same on every rank of a machine; rank 0 writes the report)")
     p.add_argument("--schedule", default="zerolock",
@@ -174,7 +178,7 @@ class DistStage:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         init = load_file(str(Path(a.program) / chunk["lora_init"]))
         self.lora = {n: init[n].clone() for n in self.program.lora_names}
-        self.opt = AdamW(self.lora, AdamWConfig(lr=a.lr))
+        self.opt = AdamW(self.lora, AdamWConfig(lr=a.lr, weight_decay=a.weight_decay))
         ckpt = self.store.load()
         self.committed = -1
         if ckpt is not None:
@@ -451,6 +455,7 @@ def _write_run_json(a, windows: int, run_id: str, world: int) -> None:
     rec = {"program": str(Path(a.program).absolute()), "data": a.data, "devices": f"torch.distributed:{world}",
            "run_id": run_id, "launcher": "zl_mobile.dist",
            "settings": {"windows": windows, "window_size": a.window, "inflight_depth": a.inflight, "lr": a.lr,
+                        "weight_decay": a.weight_decay,
                         "alpha": a.alpha, "schedule": a.schedule, "inject_failure": a.inject_failure,
                         "torch_device": a.torch_device, "wire": a.wire},
            "argv": sys.argv[1:]}

@@ -126,7 +126,7 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
     stage = PipelineStage(PipeChunk(chunk, device, wire), k, world, wire, input_args=(x_in,), output_args=(h,),
                           input_grads=(None,) if k == 0 else (h,), output_grads=(None,) if k == world - 1 else (h,))
     chunk.to(device)  # where it computes, whatever the stage did with it (its buffers live on `wire`)
-    opt = AdamW({n: p.data for n, p in lora.items()}, AdamWConfig(lr=a.lr))
+    opt = AdamW({n: p.data for n, p in lora.items()}, AdamWConfig(lr=a.lr, weight_decay=a.weight_decay))
     W = a.window
     # every rank passes a loss_fn: torch's schedules run backward only where one is given (only the
     # last stage calls it)
