@@ -118,10 +118,11 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
     k, world = dist.get_rank(), dist.get_world_size()
     wire = device if a.wire == "device" else torch.device("cpu")
     chunk, lora = build_bp_chunk(Path(a.program), manifest, k, device)
-    # static shapes (the export's micro-batch): no metadata round at the first step
+    # static shapes (the export's micro-batch): no metadata round at the first step (which, inferred
+    # at run time, deadlocked here); the inputs' requires_grad tells the stage to send dL/dh_{k-1}
     B, S = manifest["export"]["micro_batch"], manifest["export"]["seq_len"]
     d = manifest["model"]["hf_config"]["hidden_size"]
-    h = torch.empty(B, S, d, device=wire)
+    h = torch.empty(B, S, d, device=wire, requires_grad=True)  # requires_grad: dL/dh crosses this link
     x_in = torch.empty(B, S, dtype=torch.long, device=wire) if k == 0 else h
     stage = PipelineStage(PipeChunk(chunk, device, wire), k, world, wire, input_args=(x_in,), output_args=(h,),
                           input_grads=(None,) if k == 0 else (h,), output_grads=(None,) if k == world - 1 else (h,))
