@@ -19,7 +19,7 @@ back-propagation baselines through torch.distributed.pipelining instead (zl_mobi
 Recovery under `torchrun --max-restarts N`: a killed rank makes torchrun restart every rank; each
 resumes from its own last committed checkpoint (zl_mobile/checkpoint.py), so ranks may resume at
 different windows. Every sending rank keeps the h_k it sent in a replay log on disk until its
-downstream says (a small commit notice, sent back over the same process group) that it committed
+downstream says (a commit notice, a key in the rendezvous store) that it committed
 the window that used them. After a restart the ranks exchange their committed windows; rank k then
 re-sends from its log what rank k+1 lacks ([s_{k+1}, s_k), s = first micro-batch after the
 committed window), recomputes from s_k on, and sends nothing rank k+1 has already committed. The
@@ -51,7 +51,7 @@ from .stage import FAILURE_EXIT_CODE, FAILURE_POINTS
 from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "zerobubble")
-NOTICE_TAG = 1 << 30  # commit notices (downstream -> upstream); hidden states use the micro-batch id
+STORE = None  # this attempt's rendezvous store (commit notices go through it)
 
 
 class DistError(Exception):
@@ -163,6 +163,8 @@ class DistStage:
         self.W, self.windows, self.total = a.window, windows, windows * a.window
         self.train = train
         self.ctrl = ctrl
+        self.rdzv = STORE
+        self.run_id = f"{Path(a.out).resolve().name}-{a.schedule}"
         self.wire = wire_device  # (device of h on the link from k-1, device of h on the link to k+1)
         self.device = device
         self.program = EagerChunkProgram(Path(a.program), chunk, device)
@@ -265,22 +267,21 @@ class DistStage:
             if int(f.stem[3:]) < keep_from:
                 f.unlink(missing_ok=True)
 
-    # ---- commit notices: downstream -> upstream, after each of its commits
-    def _post_notice(self) -> None:
-        if self.k + 1 < self.world and self._notice_next <= self.windows - 1:
-            buf = torch.zeros(1, dtype=torch.int64)
-            self._notice = (dist.irecv(buf, src=self.k + 1, group=self.ctrl, tag=NOTICE_TAG), buf)
-        else:
-            self._notice = None
+    # ---- commit notices: downstream -> upstream, after each of its commits, through the rendezvous
+    # store (a Gloo irecv cannot be polled: its is_completed() stays False until wait() is called)
+    def _notice_key(self, k: int, w: int) -> str:
+        return f"{self.run_id}/committed/{k}/{w}"
 
     def _poll_notices(self, block: bool = False) -> None:
-        while self._notice is not None and (block or self._notice[0].is_completed()):
-            work, buf = self._notice
-            work.wait()
-            w = int(buf.item())
-            self._prune_log(w)
-            self._notice_next = w + 1
-            self._post_notice()
+        while self.k + 1 < self.world and self._notice_next <= self.windows - 1:
+            key = self._notice_key(self.k + 1, self._notice_next)
+            if block:
+                with self.clock.span("wait"):
+                    self.rdzv.wait([key])
+            elif not self.rdzv.check([key]):
+                return
+            self._prune_log(self._notice_next)
+            self._notice_next += 1
 
     # ---- the run
     def run(self) -> None:
@@ -292,7 +293,6 @@ class DistStage:
                                      "committed_windows": committed, "next_micro_batch": start[self.k]})
         self._down_start = start[self.k + 1] if self.k + 1 < self.world else None
         self._notice_next = committed[self.k + 1] + 1 if self.k + 1 < self.world else self.windows
-        self._post_notice()
         if self._down_start is not None:
             self._prune_log(committed[self.k + 1])
             for mb in range(self._down_start, min(start[self.k], self.total)):  # the gap downstream lacks
@@ -388,7 +388,7 @@ class DistStage:
                                                meta={"next_micro_batch": (w + 1) * self.W}))
         self.committed = w
         if self.k > 0:  # tell upstream: it may drop the h_k of this window from its replay log
-            dist.send(torch.tensor([w], dtype=torch.int64), dst=self.k - 1, group=self.ctrl, tag=NOTICE_TAG)
+            self.rdzv.set(self._notice_key(self.k, w), "1")
         ws = self._stats.pop(w, {"n": 0, "phase1_s": 0.0, "phase2_s": 0.0, "sums": {}, "rss": 0})
         now, then = self._counters(), self._mark
         self._mark = now
@@ -479,7 +479,7 @@ def _attempt_store(timeout: float):
 
 def init_distributed(a):
     """The default process group (Gloo for CPU tensors, NCCL for CUDA ones where CUDA is there) and
-    a Gloo group for control (commit notices, the final gather). (device, ctrl, wire devices)."""
+    a Gloo group for control (the committed windows, the final gather). (device, ctrl, wire devices)."""
     if "RANK" not in os.environ:
         raise DistError("not started by torchrun: run torchrun --nproc-per-node K -m zl_mobile.dist ... "
                         "(K = the export's chunk count)")
@@ -489,7 +489,9 @@ def init_distributed(a):
         torch.cuda.set_device(device)
     from datetime import timedelta
 
-    dist.init_process_group(backend=backend, store=_attempt_store(a.timeout), rank=int(os.environ["RANK"]),
+    global STORE
+    STORE = _attempt_store(a.timeout)
+    dist.init_process_group(backend=backend, store=STORE, rank=int(os.environ["RANK"]),
                             world_size=int(os.environ["WORLD_SIZE"]), timeout=timedelta(seconds=a.timeout))
     ctrl = dist.new_group(backend="gloo", timeout=timedelta(seconds=a.timeout))
     types = [None] * dist.get_world_size()
@@ -568,6 +570,10 @@ def _run_one(a, manifest, train, windows, device, ctrl, wire) -> None:
 
 
 def main(argv=None) -> int:
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # kill -USR1 PID: where a rank waits
     a = build_parser().parse_args(argv)
     try:
         return run(a)
