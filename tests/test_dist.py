@@ -19,7 +19,7 @@ import torch
 from tests.conftest import run_pipeline
 
 ROOT = Path(__file__).resolve().parents[1]
-WINDOWS, WINDOW = 2, 3  # 1F1B needs at least as many micro-batches per step as stages
+WINDOWS, WINDOW = 3, 3  # 1F1B needs at least as many micro-batches per step as stages; 3 windows: notices flow mid-run
 BASELINES = ("gpipe", "1f1b", "zerobubble")
 
 
