@@ -147,9 +147,4 @@ def load_base_model(path: str | Path):
     return load_model_dir(Path(path))
 
 
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+from zl_mobile.hashing import sha256_file as file_sha256  # noqa: E402  (one streamed sha256 for the project)

@@ -155,3 +155,11 @@ def write_gguf_llama(path: Path, layers: int = 2, tied: bool = True, seed: int =
 def gguf_llama(tmp_path_factory):
     """(path, model) of a 2-layer random Llama stored as GGUF (tied embeddings, BPE tokenizer)."""
     return write_gguf_llama(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+def cli_error_line(capsys) -> str:
+    """The one `zl-host: error:` line a refused command printed (and that it printed only one)."""
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("zl-host: error:")]
+    assert len(lines) == 1, err
+    return lines[0]

@@ -11,11 +11,7 @@ from host.data import synthetic_examples
 from host.emulate import start_phones
 
 
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("zl-host: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
+from .conftest import cli_error_line as _error_line  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -19,11 +19,7 @@ EXPORT = ["--seq-len", "16", "--micro-batch", "2", "--loss-positions", "8", "--b
 LAYER_BYTES = 4 * (64 * 64 + 64 * 32 + 64 * 32 + 64 * 64 + 3 * 64 * 128 + 2 * 64)
 
 
-def _error_line(capsys) -> str:
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if line.startswith("zl-host: error:")]
-    assert len(lines) == 1, err
-    return lines[0]
+from .conftest import cli_error_line as _error_line  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,8 @@ MAX_HORIZON = 1 << 24      # replay_horizon: entries kept, never preallocated
 MAX_KEEP = 10_000          # keep_checkpoints
 MAX_BUSY_MS = 86_400_000   # one day
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "pipedream")
-FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint", "hold-gil-in-phase1")
+FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint", "hold-gil-in-phase1", "slow-phase1")
+ANY_WINDOW_POINTS = ("slow-phase1",)  # window null: every window (a slower phone)
 
 
 def _reject(field: str, why: str) -> ProtocolError:
@@ -110,8 +111,9 @@ def _check_config(c: dict) -> None:
     if not isinstance(inject, list) or len(inject) > 64:
         raise _reject("config.inject_failure", "must be a list of at most 64 {window, point} objects")
     for sp in inject:
-        if not isinstance(sp, dict) or not _int(sp.get("window")) or sp["window"] < 0 \
+        any_window = isinstance(sp, dict) and sp.get("window") is None and sp.get("point") in ANY_WINDOW_POINTS
+        if not isinstance(sp, dict) or not (any_window or (_int(sp.get("window")) and sp["window"] >= 0)) \
                 or sp.get("point", "after-phase1") not in FAILURE_POINTS \
                 or ("seconds" in sp and not (_number(sp["seconds"]) and 0 <= sp["seconds"] <= 3600)):
-            raise _reject("config.inject_failure", f"{sp!r} must be {{window: uint, point: one of "
+            raise _reject("config.inject_failure", f"{sp!r} must be {{window: uint (null for slow-phase1), point: one of "
                                                    f"{', '.join(FAILURE_POINTS)}, seconds: 0..3600}}")

@@ -135,3 +135,22 @@ class CheckpointStore:
                           lora={k[5:]: v for k, v in tensors.items() if k.startswith("lora/")},
                           optimizer={k[4:]: v for k, v in tensors.items() if k.startswith("opt/")},
                           meta=json.loads(meta["meta"]))
+
+
+def restore_training_state(init_path: Path, lora_names, store: "CheckpointStore", adamw_cfg):
+    """A stage's LoRA (from its export's initialisation), its AdamW, and the last committed window
+    (-1: none), restored from `store`'s checkpoint where there is one: (lora, optimizer, committed,
+    checkpoint or None). Phones (stage.py) and torch.distributed ranks (dist.py) start the same way."""
+    from .adamw import AdamW
+
+    init = load_file(str(init_path))
+    lora = {n: init[n].clone() for n in lora_names}
+    opt = AdamW(lora, adamw_cfg)
+    ckpt = store.load()
+    committed = -1
+    if ckpt is not None:
+        for n, t in ckpt.lora.items():
+            lora[n].copy_(t)
+        opt.load_state_tensors(ckpt.optimizer, ckpt.step)
+        committed = ckpt.window
+    return lora, opt, committed, ckpt

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from host.plan import RunSettings
 
-from .adamw import AdamW, AdamWConfig
-from .checkpoint import Checkpoint, CheckpointStore
+from .adamw import AdamWConfig
+from .checkpoint import Checkpoint, CheckpointStore, restore_training_state
 from .readout import readout_positions
 from .schedules import schedule
 from .stage import FAILURE_EXIT_CODE, FAILURE_POINTS
@@ -147,8 +147,6 @@ class DistStage:
     """Chunk k on rank k: the schedule's actions, hidden states over torch.distributed p2p."""
 
     def __init__(self, a, manifest: dict, train: list, windows: int, device: torch.device, ctrl, wire_device):
-        from safetensors.torch import load_file
-
         from .eager_program import EagerChunkProgram
 
         self.a = a
@@ -178,16 +176,9 @@ class DistStage:
         self.store.fail_hook = lambda point: self._maybe_fail(point, self._window)
         self.log_dir = run_dir / "stages" / f"stage_{self.k}" / "sent"  # replay log of the h_k sent downstream
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        init = load_file(str(Path(a.program) / chunk["lora_init"]))
-        self.lora = {n: init[n].clone() for n in self.program.lora_names}
-        self.opt = AdamW(self.lora, AdamWConfig(lr=a.lr, weight_decay=a.weight_decay))
-        ckpt = self.store.load()
-        self.committed = -1
-        if ckpt is not None:
-            for n, t in ckpt.lora.items():
-                self.lora[n].copy_(t)
-            self.opt.load_state_tensors(ckpt.optimizer, ckpt.step)
-            self.committed = ckpt.window
+        self.lora, self.opt, self.committed, _ = restore_training_state(
+            Path(a.program) / chunk["lora_init"], self.program.lora_names, self.store,
+            AdamWConfig(lr=a.lr, weight_decay=a.weight_decay))
         self.failures = [f for f in (a.inject_failure or []) if f["stage"] == self.k]
         self.clock = ActivityClock()
         self._window = self.committed + 1

@@ -18,11 +18,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors.torch import load_file
 
 from .accumulate import WindowGradients
-from .adamw import AdamW, AdamWConfig
-from .checkpoint import Checkpoint, CheckpointStore
+from .adamw import AdamWConfig
+from .checkpoint import Checkpoint, CheckpointStore, restore_training_state
 from .links import InboundLink, InboundQueue, OutboundLink
 from .program import ChunkProgram
 from .protocol import Message, MsgType
@@ -105,16 +104,9 @@ class Stage:
         self.clock = ActivityClock()
         self._window = -1
 
-        init = load_file(str(Path(export_dir) / chunk["lora_init"]))
-        self.lora = {n: init[n].clone() for n in self.program.lora_names}
-        self.opt = AdamW(self.lora, AdamWConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))
-        ckpt = self.store.load()
-        self.committed = -1
-        if ckpt is not None:
-            for n, t in ckpt.lora.items():
-                self.lora[n].copy_(t)
-            self.opt.load_state_tensors(ckpt.optimizer, ckpt.step)
-            self.committed = ckpt.window
+        self.lora, self.opt, self.committed, ckpt = restore_training_state(
+            Path(export_dir) / chunk["lora_init"], self.program.lora_names, self.store,
+            AdamWConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))
         W = cfg.window_size
         self.next_mb = (self.committed + 1) * W
         self._acc = WindowGradients(self.lora)  # window -> token-weighted LoRA grads (accumulate.py)

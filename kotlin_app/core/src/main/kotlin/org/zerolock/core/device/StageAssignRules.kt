@@ -18,7 +18,8 @@ object StageAssignRules {
     const val MAX_DEPTH = 4096L
     const val MAX_HORIZON = 1L shl 24
     private val SCHEDULES = listOf("zerolock", "gpipe", "1f1b", "pipedream")
-    private val FAILURE_POINTS = listOf("after-phase1", "before-commit", "mid-checkpoint", "hold-gil-in-phase1")
+    private val FAILURE_POINTS = listOf("after-phase1", "before-commit", "mid-checkpoint", "hold-gil-in-phase1", "slow-phase1")
+    private val ANY_WINDOW_POINTS = listOf("slow-phase1") // window null: every window (a slower phone)
 
     private fun reject(field: String, why: String, rid: Long?): Nothing =
         throw ProtocolException(ErrorCode.REJECTED, "STAGE_ASSIGN $field: $why", rid)
@@ -115,9 +116,10 @@ object StageAssignRules {
         for (sp in inject) {
             val o = sp as? Map<String, Any?>
             val w = o?.get("window")
-            val bad = o == null || !isInt(w) || (w as Number).toLong() < 0 || (o["point"] ?: "after-phase1") !in FAILURE_POINTS ||
+            val anyWindow = o != null && w == null && o["point"] in ANY_WINDOW_POINTS
+            val bad = o == null || !(anyWindow || (isInt(w) && (w as Number).toLong() >= 0)) || (o["point"] ?: "after-phase1") !in FAILURE_POINTS ||
                 (o.containsKey("seconds") && (!isNumber(o["seconds"]) || (o["seconds"] as Number).toDouble() !in 0.0..3600.0))
-            if (bad) reject("config.inject_failure", "$sp must be {window: uint, point: one of ${FAILURE_POINTS.joinToString(", ")}, seconds: 0..3600}", rid)
+            if (bad) reject("config.inject_failure", "$sp must be {window: uint (null for slow-phase1), point: one of ${FAILURE_POINTS.joinToString(", ")}, seconds: 0..3600}", rid)
         }
     }
 }
