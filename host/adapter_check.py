@@ -17,6 +17,8 @@ class AdapterError(ValueError):
 
 
 def base_weights_present(base: Path) -> None:
+    if base.is_file():  # a GGUF base is its own weights file (its existence is checked by the caller)
+        return
     if not any(base.glob("*.safetensors")) and not any(base.glob("pytorch_model*.bin")):
         raise AdapterError(f"the base model dir {base} has no weights file (*.safetensors): restore the model "
                            "files the export was made from (no model hub is asked)")
@@ -101,7 +103,10 @@ def _base_linears(base: Path) -> dict[str, tuple[int, int]]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     try:
-        config = AutoConfig.from_pretrained(str(base), local_files_only=True)
+        if base.is_file():  # a GGUF file: transformers reads the config from its metadata
+            config = AutoConfig.from_pretrained(str(base.parent), gguf_file=base.name, local_files_only=True)
+        else:
+            config = AutoConfig.from_pretrained(str(base), local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # a bad config.json: transformers raises many types
