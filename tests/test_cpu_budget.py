@@ -191,16 +191,20 @@ def one_stage_export(small_model_dir, tmp_path_factory):
     return out
 
 
-def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key) -> None:
+def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key, barrier=None) -> None:
     """One budgeted phone trains the one-stage export; out[key] = its CPU time over wall time across
     the second update window (after the first window's checkpoint, before the last one: no fsync
-    inside), sampled from /proc/PID/stat when each micro-batch's telemetry arrives."""
+    inside), sampled from /proc/PID/stat when each micro-batch's telemetry arrives. The window is
+    sized to the share (100 micro-batches at 0.3 of a core, about 3 s), so runs at different shares
+    that start together (`barrier`: once every phone is up) compute over the same seconds."""
     from host.coordinator import Coordinator
     from host.emulate import start_phones
     from host.plan import RunSettings
 
-    m = 100  # micro-batches per window: about 3 s at 0.3 of a core
+    m = round(100 * share / 0.3)
     phones = start_phones(1, root / "phones", prefix=f"cbs{os.getpid()}-{key}-", cpu_shares=[share])
+    if barrier is not None:
+        barrier.wait(timeout=120)
     pid = phones[0].proc.pid
     samples = {}
 
@@ -233,7 +237,8 @@ def test_a_budgeted_phone_gets_its_share_during_a_run(one_stage_export, tmp_path
 
 def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp_path):
     got = {}
-    runs = [threading.Thread(target=_measured_share, args=(one_stage_export, tmp_path / k, s, got, k))
+    both_up = threading.Barrier(2)
+    runs = [threading.Thread(target=_measured_share, args=(one_stage_export, tmp_path / k, s, got, k, both_up))
             for k, s in (("a", 0.3), ("b", 0.4))]
     for t in runs:
         t.start()
@@ -242,7 +247,7 @@ def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp
     print("measured", got)
     assert set(got) == {"a", "b"}, got  # both runs finished
     (a0, a1), (b0, b1) = got["a"]["span"], got["b"]["span"]
-    assert min(a1, b1) - max(a0, b0) > 1.0, got  # measured while both computed
+    assert min(a1, b1) - max(a0, b0) > 0.8 * min(a1 - a0, b1 - b0), got  # measured while both computed
     assert abs(got["a"]["share"] - 0.3) <= 0.03, got
     assert abs(got["b"]["share"] - 0.4) <= 0.04, got
 
