@@ -64,7 +64,7 @@ def write_report(run_dir: Path, summary: dict) -> Path:
     plt.close(fig)
 
     rows = []
-    hello = {r["stage"]: r for r in recs if r["type"] == "HELLO"}  # the last HELLO of each stage's device
+    hello = {r["stage"]: r for r in recs if r["type"] == "HELLO"}  # what each stage's device said at the start
     last = defaultdict(dict)
     for r in tel:
         last[r["stage"]] = r

@@ -191,17 +191,20 @@ def one_stage_export(small_model_dir, tmp_path_factory):
     return out
 
 
-def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key, start=None, windows: int = 2) -> None:
+def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key, barrier=None) -> None:
     """One budgeted phone trains the one-stage export; out[key] = its CPU time over wall time across
     the second update window (after the first window's checkpoint, before the last one: no fsync
-    inside; with `windows` > 2, up to the last one), sampled from /proc/PID/stat when each
-    micro-batch's telemetry arrives. `start`: a barrier the run waits at once its phone is up."""
+    inside), sampled from /proc/PID/stat when each micro-batch's telemetry arrives. The window is
+    sized to the share (100 micro-batches at 0.3 of a core, about 3 s), so runs at different shares
+    that start together (`barrier`: once every phone is up) compute over the same seconds."""
     from host.coordinator import Coordinator
     from host.emulate import start_phones
     from host.plan import RunSettings
 
-    m = 100  # micro-batches per window: about 3 s at 0.3 of a core
+    m = round(100 * share / 0.3)
     phones = start_phones(1, root / "phones", prefix=f"cbs{os.getpid()}-{key}-", cpu_shares=[share])
+    if barrier is not None:
+        barrier.wait(timeout=120)
     pid = phones[0].proc.pid
     samples = {}
 
@@ -210,16 +213,14 @@ def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key, 
             samples[rec["micro_batch"]] = (time.monotonic(), _cpu_seconds(pid))
 
     try:
-        if start is not None:
-            start.wait(timeout=300)
-        settings = RunSettings(windows=windows, window_size=m, inflight_depth=16, max_seconds=240)
+        settings = RunSettings(windows=2, window_size=m, inflight_depth=16, max_seconds=240)
         Coordinator(export_dir, [p.handle() for p in phones], small_micro_batches(export_dir, 32), settings,
                     root / "run", run_id="budget", on_event=on_event).run()
-        throttled = cpu_budget.throttled_periods(pid)
+        throttled = cpu_budget.throttled_fraction(pid)
     finally:
         for p in phones:
             p.stop()
-    (t0, c0), (t1, c1) = samples[m + 2], samples[windows * m - 2]
+    (t0, c0), (t1, c1) = samples[m + 2], samples[2 * m - 2]
     out[key] = {"share": (c1 - c0) / (t1 - t0), "wall_s": t1 - t0, "span": (t0, t1), "throttled": throttled}
 
 
@@ -229,17 +230,16 @@ def test_a_budgeted_phone_gets_its_share_during_a_run(one_stage_export, tmp_path
     r = got["alone"]
     print("measured", got)
     assert r["wall_s"] > 2.0, r  # long enough to read the share to well under 10%
-    # the cap is what held it: an unbudgeted phone computes at a whole core (--threads 1)
     assert abs(r["share"] - 0.3) <= 0.03, r
-    assert r["throttled"] is None or r["throttled"] > 0, r
+    # and the cap is what held it there, not a busy machine: most of its periods ended at the quota
+    assert r["throttled"] is not None and r["throttled"] > 0.5, r
 
 
 def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp_path):
     got = {}
-    start = threading.Barrier(2)  # both phones up before either run starts (phone start-up times vary)
-    # the faster phone measures two windows, so its span covers the slower one's second window
-    runs = [threading.Thread(target=_measured_share, args=(one_stage_export, tmp_path / k, s, got, k, start, w))
-            for k, s, w in (("a", 0.3, 2), ("b", 0.4, 3))]
+    both_up = threading.Barrier(2)
+    runs = [threading.Thread(target=_measured_share, args=(one_stage_export, tmp_path / k, s, got, k, both_up))
+            for k, s in (("a", 0.3), ("b", 0.4))]
     for t in runs:
         t.start()
     for t in runs:
@@ -247,9 +247,10 @@ def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp
     print("measured", got)
     assert set(got) == {"a", "b"}, got  # both runs finished
     (a0, a1), (b0, b1) = got["a"]["span"], got["b"]["span"]
-    assert min(a1, b1) - max(a0, b0) > 1.0, got  # measured while both computed
+    assert min(a1, b1) - max(a0, b0) > 0.8 * min(a1 - a0, b1 - b0), got  # measured while both computed
     assert abs(got["a"]["share"] - 0.3) <= 0.03, got
     assert abs(got["b"]["share"] - 0.4) <= 0.04, got
+    assert all(r["throttled"] is not None and r["throttled"] > 0.5 for r in got.values()), got  # held by their caps
 
 
 def test_zl_host_run_budgets_its_phones_and_the_report_shows_it(small_export, tmp_path):

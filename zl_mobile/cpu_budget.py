@@ -184,15 +184,16 @@ def release(pid: int) -> bool:
     return _rmdir(path)
 
 
-def throttled_periods(pid: int) -> int | None:
-    """How many of its periods the phone with this pid was held back at its quota (cpu.stat's
-    nr_throttled), or None if it has no budget cgroup (or the kernel does not say)."""
+def throttled_fraction(pid: int) -> float | None:
+    """Of the periods in which the phone with this pid ran, the fraction that ended with it held back
+    at its quota (cpu.stat: nr_throttled / nr_periods): near 1 when the budget, not the machine, is
+    what limits it. None if it has no budget cgroup (or the kernel does not say)."""
     c = find_controller()
     if c is None:
         return None
     try:
         stat = dict(line.split() for line in (c.path_for(pid) / "cpu.stat").read_text().splitlines() if line.strip())
-        return int(stat["nr_throttled"])
+        return int(stat["nr_throttled"]) / int(stat["nr_periods"]) if int(stat["nr_periods"]) else None
     except (OSError, KeyError, ValueError):
         return None
 
