@@ -266,7 +266,7 @@ def test_two_claims_of_one_name_seen_after_announcing_leave_exactly_one_renamed(
     try:
         b = Advertisement(name, 40052, txt_record(name, 1, "fake/x", 5), probe=False, on_rename=on_rename)
         try:
-            assert (a.instance_label, b.instance_label) == (name, name)  # both claimed it
+            # both claimed it (neither asked first); one may give way while b is still announcing
             assert done.wait(10), "neither device gave way"
             assert renames == [f"{name} (2)"]
             loser, winner = (a, b) if (a.info.port, a.info.server) < (b.info.port, b.info.server) else (b, a)

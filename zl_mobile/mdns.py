@@ -423,9 +423,13 @@ class Advertisement:
         self.renaming = False
         self.attempt = 0
         self.zc = _zeroconf(interfaces)
+        self.info = self.claiming = None
         try:
-            self.info = self._claim()
+            # watching starts before the claim: two devices that claim one name in the same instant
+            # announce while each is still registering, and those announcements are the only ones
             self._watch()
+            with self.lock:  # a rename this triggers waits until the claim is done
+                self.info = self._claim()
         except BaseException:
             self.zc.close()
             raise
@@ -446,6 +450,7 @@ class Advertisement:
             info = ServiceInfo(SERVICE_TYPE, full, addresses=[socket.inet_aton(a) for a in self.addresses],
                                port=self.port, properties=self.txt, server=f"{host_label(candidate, salt)}.local.")
             try:
+                self.claiming = info
                 self.zc.register_service(info, allow_name_change=False, cooperating_responders=not self.probe)
             except NonUniqueNameException:
                 continue
@@ -463,25 +468,26 @@ class Advertisement:
                 for update in records:
                     rec = update.new
                     if rec.type == _T_SRV and rec.ttl > 0 and ad._conflicts(rec):
-                        ad._lost_name()
+                        ad._lost_name(rec.name)
                         return
 
         self.zc.add_listener(Guard(), None)
 
     def _conflicts(self, rec) -> bool:
-        info = self.info
-        if self.renaming or rec.name.lower() != info.name.lower():
+        info = self.info or self.claiming
+        if info is None or self.renaming or rec.name.lower() != info.name.lower():
             return False
         theirs, ours = (rec.port, rec.server.lower()), (info.port, info.server.lower())
         return theirs != ours and ours < theirs  # the lower one gives way (RFC 6762 8.2 / 9)
 
-    def _lost_name(self) -> None:
+    def _lost_name(self, name: str) -> None:
         self.renaming = True
-        threading.Thread(target=self._rename, name="mdns-rename", daemon=True).start()
+        threading.Thread(target=self._rename, args=(name,), name="mdns-rename", daemon=True).start()
 
-    def _rename(self) -> None:
+    def _rename(self, name: str) -> None:
         with self.lock:
-            if self.closed:
+            if self.closed or self.info is None or self.info.name.lower() != name.lower():
+                self.renaming = False  # the claim in progress moved to another name already
                 return
             old = self.info
             try:
