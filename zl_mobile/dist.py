@@ -176,6 +176,9 @@ class DistStage:
         self.store.fail_hook = lambda point: self._maybe_fail(point, self._window)
         self.log_dir = run_dir / "stages" / f"stage_{self.k}" / "sent"  # replay log of the h_k sent downstream
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        # micro-batches in the replay log, a restart's included (telemetry: replay_held)
+        self.log_held: set[int] = {int(f.stem[3:]) for f in self.log_dir.glob("mb_*.pt")}
+        self.log_held_peak = len(self.log_held)
         self.lora, self.opt, self.committed, _ = restore_training_state(
             Path(a.program) / chunk["lora_init"], self.program.lora_names, self.store,
             AdamWConfig(lr=a.lr, weight_decay=a.weight_decay))
@@ -236,7 +239,7 @@ class DistStage:
         """isend h_k for `mb`, with at most `inflight` sends outstanding on the link."""
         while len(self.sends) >= self.a.inflight:
             _, work, _ = self.sends.popleft()
-            with self.clock.span("wait"):
+            with self.clock.span("wait_downstream"):  # held back by the link's bound, as a phone's backpressure
                 work.wait()
         h = h.detach().to(self.wire[1]).contiguous()
         self.sends.append((mb, dist.isend(h, dst=self.k + 1, tag=mb), h))
@@ -251,12 +254,15 @@ class DistStage:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+        self.log_held.add(mb)
+        self.log_held_peak = max(self.log_held_peak, len(self.log_held))
 
     def _prune_log(self, downstream_committed: int) -> None:
         keep_from = (downstream_committed + 1) * self.W
         for f in self.log_dir.glob("mb_*.pt"):
             if int(f.stem[3:]) < keep_from:
                 f.unlink(missing_ok=True)
+        self.log_held = {mb for mb in self.log_held if mb >= keep_from}
 
     # ---- commit notices: downstream -> upstream, after each of its commits, through the rendezvous
     # store (a Gloo irecv cannot be polled: its is_completed() stays False until wait() is called)
@@ -353,14 +359,18 @@ class DistStage:
             "kind": "micro_batch", "stage": self.k, "micro_batch": mb, "window": p["window"],
             "step": self.opt.step_count, "schedule": "zerolock", **losses, **p["t"], "phase2_start": t0,
             "phase2_end": now, "forwarded": p["forwarded"], "active_s": self.clock.active_s,
-            "wait_s": self.clock.wait_s, "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            "wait_s": self.clock.wait_s, "wait_downstream_s": self.clock.wait_downstream_s,
+            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            "replay_held": len(self.log_held) if self.k < self.world - 1 else None,
+            "replay_held_peak": self.log_held_peak if self.k < self.world - 1 else None,
             "pss_bytes": read_pss_bytes(), "rss_peak_bytes": peak, "temperature_c": read_temperature_c(),
             "readout_dropped": p["batch"]["_dropped"], "in_flight": len(self.sends),
             "cuda_max_allocated_bytes": self._cuda_peak(),
             "spans": [[k, a, b] for k, a, b in self.clock.drain_spans()]})
 
     def _counters(self) -> dict:
-        return {"active_s": self.clock.active_s, "wait_s": self.clock.wait_s, "seconds": time.time(),
+        return {"active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
+                "wait_downstream_s": self.clock.wait_downstream_s, "seconds": time.time(),
                 "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
 
     def _end_window(self, w: int) -> None:
