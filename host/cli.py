@@ -114,6 +114,7 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: b
 
 # ---------------------------------------------------------------- run
 def parse_failures(specs: list[str]) -> list[dict]:
+    from zl_mobile.assign_rules import FAILURE_DETECTS, FAILURE_MODES
     from zl_mobile.stage import FAILURE_POINTS, SLOW_POINT
 
     out = []
@@ -126,12 +127,19 @@ def parse_failures(specs: list[str]) -> list[dict]:
                 if "window" in d:
                     f["window"] = int(d["window"])
             else:
-                f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": point}
+                f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": point,
+                     **{k: d[k] for k in ("mode", "detect") if k in d}}
         except (KeyError, ValueError):
-            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...] "
-                           f"(or stage=K,point={SLOW_POINT},seconds=S[,window=W])") from None
+            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...][,mode=process|app]"
+                           f"[,detect=connection|heartbeat] (or stage=K,point={SLOW_POINT},seconds=S[,window=W])") from None
         if f["point"] not in (*FAILURE_POINTS, SLOW_POINT):
             raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join((*FAILURE_POINTS, SLOW_POINT))}")
+        for key, allowed in (("mode", FAILURE_MODES), ("detect", FAILURE_DETECTS)):
+            if f.get(key, allowed[0]) not in allowed:
+                raise CliError(f"--inject-failure {key} {f[key]!r}: use one of {', '.join(allowed)}")
+        if f.get("detect", "connection") != "connection" and f.get("mode") != "app":
+            raise CliError(f"--inject-failure {spec!r}: detect=heartbeat needs mode=app (a killed process always "
+                           "drops its connection)")
         out.append(f)
     return out
 
@@ -437,7 +445,9 @@ def build_parser():
     r.add_argument("--heartbeat-timeout", type=float, default=5.0)
     r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
                    help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")
-    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]; or "
+    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]"
+                        "[,mode=process|app][,detect=connection|heartbeat]: kill the phone process, or fail the stage "
+                        "inside the running phone (which then drops the session or goes silent); or "
                         "stage=K,point=slow-phase1,seconds=S: a slower phone (tests, benchmarks)")
     r.set_defaults(func=cmd_run)
     r.add_argument("--plan", default=None, help="a zl-host plan file: its chunks (the export must match) on its "

@@ -30,13 +30,17 @@ class Event:
 
 
 class DeviceClient:
-    def __init__(self, name: str, endpoint: str, token: str, events: "queue.Queue[Event]", timeout: float = 10.0):
+    def __init__(self, name: str, endpoint: str, token: str, events: "queue.Queue[Event]", timeout: float = 10.0,
+                 connect_timeout: float | None = None):
+        """`timeout`: for each request's answer; `connect_timeout` (default `timeout`): for the connect
+        and the handshake."""
         self.name = name
         self.endpoint = endpoint
         self.events = events
         self.timeout = timeout
-        sock = connect(endpoint, timeout=timeout)
-        sock.settimeout(timeout)
+        connect_timeout = connect_timeout or timeout
+        sock = connect(endpoint, timeout=connect_timeout)
+        sock.settimeout(connect_timeout)
         try:
             self.hello = host_handshake(sock, token, host_name="zl-host")
         except ProtocolError as e:

@@ -36,6 +36,7 @@ class DeviceHandle:
     token: str
     memory_bytes: int = 0
     restart: Callable[[], str] | None = None  # returns the new endpoint
+    alive: Callable[[], bool] | None = None  # emulated: the phone process still runs (try it before a restart)
     serial: str | None = None  # set for phones reached over adb (USB): endpoint is an adb forward
 
 
@@ -88,9 +89,10 @@ class Coordinator:
         self.sampler = None
 
     # ---- setup
-    def _connect(self, st: StageState) -> None:
+    def _connect(self, st: StageState, timeout: float = 10.0) -> None:
         try:
-            st.client = DeviceClient(st.device.name, st.device.endpoint, st.device.token, self.events)
+            st.client = DeviceClient(st.device.name, st.device.endpoint, st.device.token, self.events,
+                                     connect_timeout=timeout)
         except OSError as e:  # ConnectionClosed too
             if st.device.serial is None:
                 raise
@@ -154,7 +156,7 @@ class Coordinator:
         if s.alpha is not None:
             conf["alpha"] = s.alpha
         mine = [{"window": f.get("window"), "point": f.get("point", "after-phase1"),
-                 **({"seconds": f["seconds"]} if "seconds" in f else {})}
+                 **{k: f[k] for k in ("seconds", "mode", "detect") if k in f}}
                 for f in (s.inject_failure or []) if f.get("stage") == st.k]
         if mine:
             conf["inject_failure"] = mine
@@ -326,13 +328,20 @@ class Coordinator:
 
     def _rejoin(self, st: StageState, why: str, detected: float) -> None:
         deadline = detected + self.settings.rejoin_timeout
+        # a phone whose process still runs (its stage failed inside the app) is reconnected as it
+        # is, as a real phone is; only one that does not answer within a few seconds is restarted
+        reconnect_until = detected + 3.0 if st.device.alive is not None and st.device.alive() else 0.0
         while True:
             try:
-                if st.device.restart is not None:
+                if st.device.restart is not None and time.time() >= reconnect_until:
                     st.device.endpoint = st.device.restart()
-                self._connect(st)
+                self._connect(st, timeout=max(1.0, reconnect_until - time.time()) if reconnect_until else 10.0)
                 return
             except (OSError, DeviceError) as e:
+                if time.time() < reconnect_until:  # the phone may still be closing the old session
+                    time.sleep(0.2)
+                    continue
+                reconnect_until = 0.0
                 if time.time() > deadline:
                     raise RunError(f"stage {st.k} ({st.device.name}) did not come back within "
                                    f"{self.settings.rejoin_timeout:.0f} s after '{why}': restart the app on the phone "

@@ -150,7 +150,8 @@ class EmulatedPhone:
     def handle(self):
         from .coordinator import DeviceHandle
 
-        return DeviceHandle(self.name, self.endpoint, self.token, _memory_bytes(), restart=self.restart)
+        return DeviceHandle(self.name, self.endpoint, self.token, _memory_bytes(), restart=self.restart,
+                            alive=self.alive)
 
 
 def _memory_bytes() -> int:

@@ -21,6 +21,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from zl_mobile.processes import pid_alive
+
 OWNERS = Path(os.environ.get("ZL_NETNS_OWNERS", "/run/zerolock/netns"))  # tag -> owner pid
 
 
@@ -66,15 +68,6 @@ def _tbf(dev: str, mbit: float, ns: str | None = None) -> None:
     _ip("ip", "link", "set", "dev", dev, "gso_max_size", str(min(65536, burst * 3 // 4)), ns=ns)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
 
 def _bridge_name(tag: str) -> str:
     return f"zlbr{tag}"
@@ -110,7 +103,7 @@ def sweep_stale() -> list[str]:
             pid = int(rec.read_text())
         except (OSError, ValueError):
             pid = 0
-        if pid and _alive(pid):
+        if pid and pid_alive(pid):
             continue
         _remove(rec.name, [n for n in names if n.startswith(_ns_prefix(rec.name))])
         removed.append(rec.name)

@@ -9,6 +9,7 @@ import pytest
 from host.cli import main
 from host.data import synthetic_examples
 from host.emulate import start_phones
+from zl_mobile.processes import pid_alive
 
 
 from .conftest import cli_error_line as _error_line  # noqa: E402
@@ -247,22 +248,13 @@ def test_a_signal_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path, s
         time.sleep(0.05)
     assert host.poll() is None, "the host finished before it could be stopped"
     pids = [p["pid"] for p in json.loads((run / "run.json").read_text())["phones"]]
-    assert len(pids) == 3 and all(_alive(pid) for pid in pids)
+    assert len(pids) == 3 and all(pid_alive(pid) for pid in pids)
     host.send_signal(getattr(signal, sig))
     _, err = host.communicate(timeout=60)
     assert host.returncode == 130, err
     assert "zl-host run --resume" in err
-    assert not any(_alive(pid) for pid in pids), f"emulated phones left running after {sig}"
+    assert not any(pid_alive(pid) for pid in pids), f"emulated phones left running after {sig}"
 
-
-def _alive(pid: int) -> bool:
-    import os
-
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    return True
 
 
 def test_run_and_eval_on_int8_base_weights(small_export_int8, data_file, tmp_path, capsys):

@@ -76,6 +76,29 @@ def test_a_failure_at_each_point_and_stage_ends_with_the_uninterrupted_lora(base
         assert ws == sorted(ws) == list(range(WINDOWS))
 
 
+@pytest.mark.parametrize("detect,point", [("connection", "after-phase1"), ("heartbeat", "mid-checkpoint")])
+def test_a_stage_that_fails_inside_the_running_phone_is_restored_without_a_restart(baseline, tmp_path, detect, point):
+    """The app lives on and its stage loses its memory (an app's training service crashing, as
+    the seed's E2 fails a worker): the host finds out from the dropped session or from the
+    heartbeats stopping, reconnects to the same process, and the stage restores its checkpoint."""
+    out, mbs, base, base_records = baseline
+    events, phones, pids = [], [], []
+
+    def on_event(kind, data):
+        events.append((kind, data))
+        if kind in ("failure", "rejoined"):  # the failed stage's phone process, as it fails and as it rejoins
+            pids.append(next(p.proc.pid for p in phones if p.name == data["device"]))
+
+    failures = [{"stage": 1, "window": 4, "point": point, "mode": "app", "detect": detect}]
+    settings = RunSettings(windows=WINDOWS, **SETTINGS, heartbeat_timeout=2.0, inject_failure=[*failures, *SLOWER])
+    result, records = run_pipeline(out, tmp_path, settings, mbs, on_event=on_event, phones_out=phones)
+    (failure,) = [d for k, d in events if k == "failure"]
+    assert failure["stage"] == 1
+    assert ("no heartbeat" in failure["why"]) == (detect == "heartbeat"), failure["why"]
+    assert len(pids) == 2 and pids[0] == pids[1]  # the same phone process: reconnected, not restarted
+    assert_as_uninterrupted(result, records, base, base_records, failures)
+
+
 def test_two_failures_in_a_row(baseline, tmp_path):
     """The upstream fails while it is ahead, then its downstream fails before the first has caught up."""
     out, mbs, base, base_records = baseline

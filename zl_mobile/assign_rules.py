@@ -23,6 +23,8 @@ MAX_BUSY_MS = 86_400_000   # one day
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "pipedream")
 FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint", "hold-gil-in-phase1", "slow-phase1")
 ANY_WINDOW_POINTS = ("slow-phase1",)  # window null: every window (a slower phone)
+FAILURE_MODES = ("process", "app")  # the phone process dies / the stage fails inside the running app
+FAILURE_DETECTS = ("connection", "heartbeat")  # app mode: the session drops / the stage goes silent
 
 
 def _reject(field: str, why: str) -> ProtocolError:
@@ -114,6 +116,8 @@ def _check_config(c: dict) -> None:
         any_window = isinstance(sp, dict) and sp.get("window") is None and sp.get("point") in ANY_WINDOW_POINTS
         if not isinstance(sp, dict) or not (any_window or (_int(sp.get("window")) and sp["window"] >= 0)) \
                 or sp.get("point", "after-phase1") not in FAILURE_POINTS \
-                or ("seconds" in sp and not (_number(sp["seconds"]) and 0 <= sp["seconds"] <= 3600)):
+                or ("seconds" in sp and not (_number(sp["seconds"]) and 0 <= sp["seconds"] <= 3600)) \
+                or sp.get("mode", "process") not in FAILURE_MODES or sp.get("detect", "connection") not in FAILURE_DETECTS:
             raise _reject("config.inject_failure", f"{sp!r} must be {{window: uint (null for slow-phase1), point: one of "
-                                                   f"{', '.join(FAILURE_POINTS)}, seconds: 0..3600}}")
+                                                   f"{', '.join(FAILURE_POINTS)}, seconds: 0..3600, mode: "
+                                                   f"{' or '.join(FAILURE_MODES)}, detect: {' or '.join(FAILURE_DETECTS)}}}")

@@ -52,6 +52,13 @@ class CheckpointStore:
         if self.fail_hook:
             self.fail_hook(point)
 
+    def tear_pending(self) -> None:
+        """Fault injection: cut the checkpoint being written in half, as a crash mid-write leaves it."""
+        tmp = next(self.dir.glob("*.tmp"), None)
+        if tmp is not None:
+            with open(tmp, "r+b") as f:
+                f.truncate(max(1, tmp.stat().st_size // 2))
+
     def commit(self, ckpt: Checkpoint) -> str:
         """Durably write `ckpt` and record it as committed; returns its sha256."""
         name = f"ckpt-{ckpt.window:08d}.safetensors"

@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .processes import pid_alive
+
 PERIOD_US = 10_000          # 10 ms: v1's cfs quota has a 1 ms floor, so shares go down to 0.1
 MIN_SHARE = 0.1
 WEIGHT_V1, WEIGHT_V2 = 262144, 10000  # the phones' group's cpu.shares / cpu.weight: the largest allowed
@@ -129,15 +131,6 @@ def _procs(path: Path) -> list[int]:
         return []
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-
 
 def _rmdir(path: Path, timeout: float = 2.0) -> bool:
     """Remove an empty cgroup; a task that is still exiting keeps it busy for a moment."""
@@ -164,7 +157,7 @@ def sweep(c: Controller | None = None) -> list[Path]:
     for d in c.group.iterdir():
         if not (d.is_dir() and d.name.startswith(PREFIX) and d.name[len(PREFIX):].isdigit()):
             continue
-        if not _procs(d) and not _alive(int(d.name[len(PREFIX):])) and _rmdir(d, timeout=0.2):
+        if not _procs(d) and not pid_alive(int(d.name[len(PREFIX):])) and _rmdir(d, timeout=0.2):
             removed.append(d)
     return removed
 

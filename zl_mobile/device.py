@@ -60,6 +60,7 @@ class Device:
         self.stage: Stage | None = None
         self.stage_meta: dict | None = None
         self._host: Connection | None = None
+        self._silent: Connection | None = None  # a session whose stage failed in-app without a word
         self._lock = threading.Lock()
         self.incoming = self.workdir / "incoming"  # part files of transfers in progress (file_receiver.py)
         clear_incoming(self.incoming)
@@ -135,7 +136,7 @@ class Device:
                     log.debug("%s: %s failed", self.name, msg.type.name, exc_info=True)
                     conn.try_send(err.to_message(msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
                     continue
-                if reply is not None:
+                if reply is not None and conn is not self._silent:
                     conn.send(reply)
                 if msg.type == MsgType.SHUTDOWN:
                     break
@@ -154,14 +155,31 @@ class Device:
 
     def _heartbeats(self, conn: Connection, period: float = 0.5) -> None:
         seq = 0
-        while not conn.closed and conn.try_send(Message(MsgType.HEARTBEAT, {"seq": seq, "time_ms": int(time.monotonic() * 1000)})):
+        while not conn.closed and conn is not self._silent \
+                and conn.try_send(Message(MsgType.HEARTBEAT, {"seq": seq, "time_ms": int(time.monotonic() * 1000)})):
             seq += 1
             time.sleep(period)
 
     def send_to_host(self, msg: Message) -> None:
         conn = self._host
-        if conn is not None:
+        if conn is not None and conn is not self._silent:
             conn.try_send(msg)
+
+    def _stage_failed(self, stage: Stage, detect: str) -> None:
+        """Fault injection, mode "app" (zl_mobile.stage): the stage dropped its state inside this
+        running phone. The host learns of it as it would of an app whose training crashed: the
+        session drops (`connection`), or the phone stops answering until the host's heartbeat
+        timeout gives up on the session (`heartbeat`). The phone itself serves on."""
+        with self._lock:
+            if self.stage is stage:
+                self.stage, self.stage_meta = None, None
+            conn = self._host
+        if conn is None:
+            return
+        if detect == "heartbeat":
+            self._silent = conn
+        else:
+            conn.close()
 
     def handle(self, msg: Message) -> Message | None:
         t = msg.type
@@ -232,7 +250,8 @@ class Device:
                 self.stage = Stage(self.files, chunk, manifest["export"], cfg, self.workdir,
                                    to_host=self.send_to_host, limiter=self.limiter,
                                    data_port=meta.get("listen_port", 0), bind=self.bind,
-                                   load_program=self.backend.load, link_delay=self.link_delay)
+                                   load_program=self.backend.load, link_delay=self.link_delay,
+                                   on_failure=self._stage_failed)
             except ProgramError as e:
                 raise self._reject(msg, str(e)) from None
         self.stage_meta = dict(meta)

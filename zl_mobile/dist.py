@@ -414,10 +414,7 @@ class DistStage:
         marker.write_text("injected")
         self._record("FAILURE_INJECTED", {"window": window, "point": point})
         if point == "mid-checkpoint":  # leave a half-written checkpoint behind, as a crash would
-            tmp = next(self.store.dir.glob("*.tmp"), None)
-            if tmp is not None:
-                with open(tmp, "r+b") as f:
-                    f.truncate(max(1, tmp.stat().st_size // 2))
+            self.store.tear_pending()
         os._exit(FAILURE_EXIT_CODE)
 
     def lora_state(self) -> dict:

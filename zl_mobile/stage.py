@@ -77,8 +77,9 @@ class StageConfig:
 class Stage:
     def __init__(self, export_dir: Path, chunk: dict, export: dict, cfg: StageConfig, workdir: Path,
                  to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0", load_program=ChunkProgram,
-                 link_delay=None):
+                 link_delay=None, on_failure=None):
         self.cfg = cfg
+        self.on_failure = on_failure  # callable(stage, detect): an in-app failure dropped this stage
         self.alpha = torch.tensor([cfg.alpha if cfg.alpha is not None else export["alpha"]], dtype=torch.float32)
         readout_rows = export["readout_rows"]
         self.k = cfg.stage
@@ -166,6 +167,9 @@ class Stage:
             try:
                 {"F": self._forward, "L": self._local_step, "B": self._backward, "STEP": self._end_window}[action.op](action.mb)
             except _Stopped:
+                return
+            except _AppFailure as e:
+                self._drop_state(e.detect)
                 return
             except Exception as e:  # report, then stop this stage: the host decides what to do
                 log.exception("stage %d failed at %r", self.k, action)
@@ -374,19 +378,36 @@ class Stage:
     # ---- fault injection (tests, benchmarks): kill this process at a named point, once
     def _maybe_fail(self, point: str, window: int) -> None:
         specs = self.cfg.inject_failure or []
-        if not any(sp.get("point", "after-phase1") == point and sp.get("window") == window for sp in specs):
+        spec = next((sp for sp in specs if sp.get("point", "after-phase1") == point and sp.get("window") == window), None)
+        if spec is None:
             return
         marker = self.workdir / f"failure-injected-{self.cfg.run_id}-{self.k}-{window}-{point}"
         if marker.exists():
             return
         marker.write_text("injected")
-        log.warning("stage %d: injected failure at %s of window %d", self.k, point, window)
+        mode = spec.get("mode", "process")
+        log.warning("stage %d: injected failure (%s) at %s of window %d", self.k, mode, point, window)
         if point == "mid-checkpoint":  # leave a half-written checkpoint behind, as a crash would
-            tmp = next(self.store.dir.glob("*.tmp"), None)
-            if tmp is not None:
-                with open(tmp, "r+b") as f:
-                    f.truncate(max(1, tmp.stat().st_size // 2))
+            self.store.tear_pending()
+        if mode == "app":  # the app lives on, the stage's memory is gone (see _run)
+            raise _AppFailure(spec.get("detect", "connection"))
         os._exit(FAILURE_EXIT_CODE)
+
+    def _drop_state(self, detect: str) -> None:
+        """An in-app failure: the stage thread ends, its links close and its in-memory state (LoRA,
+        optimizer, pending activations, gradients) is dropped; only what it committed to disk
+        remains. The device then loses the host session (`connection`) or goes silent
+        (`heartbeat`), and a new STAGE_ASSIGN restores the stage from its checkpoint."""
+        self._stop.set()
+        self.queue.stop()
+        self.grads_in.stop()
+        self.inbound.close()
+        if self.outbound is not None:
+            self.outbound.close()
+        self._pending.clear()
+        self.lora = self.opt = self._acc = None
+        if self.on_failure is not None:
+            self.on_failure(self, detect)
 
     def _report_error(self, text: str, fatal: bool = True) -> None:
         """`fatal`: the run cannot go on as it is (PROTOCOL.md 5.4.1); the host stops it with `text`."""
@@ -399,6 +420,14 @@ class Stage:
 
 class _Stopped(Exception):
     """The stage was stopped while waiting."""
+
+
+class _AppFailure(Exception):
+    """Fault injection: the stage fails inside the running app (mode "app")."""
+
+    def __init__(self, detect: str):
+        super().__init__(detect)
+        self.detect = detect
 
 
 def _present(meta: dict) -> dict:

@@ -20,6 +20,8 @@ object StageAssignRules {
     private val SCHEDULES = listOf("zerolock", "gpipe", "1f1b", "pipedream")
     private val FAILURE_POINTS = listOf("after-phase1", "before-commit", "mid-checkpoint", "hold-gil-in-phase1", "slow-phase1")
     private val ANY_WINDOW_POINTS = listOf("slow-phase1") // window null: every window (a slower phone)
+    private val FAILURE_MODES = listOf("process", "app") // the process dies / the stage fails inside the running app
+    private val FAILURE_DETECTS = listOf("connection", "heartbeat") // app mode: the session drops / the stage goes silent
 
     private fun reject(field: String, why: String, rid: Long?): Nothing =
         throw ProtocolException(ErrorCode.REJECTED, "STAGE_ASSIGN $field: $why", rid)
@@ -118,8 +120,10 @@ object StageAssignRules {
             val w = o?.get("window")
             val anyWindow = o != null && w == null && o["point"] in ANY_WINDOW_POINTS
             val bad = o == null || !(anyWindow || (isInt(w) && (w as Number).toLong() >= 0)) || (o["point"] ?: "after-phase1") !in FAILURE_POINTS ||
-                (o.containsKey("seconds") && (!isNumber(o["seconds"]) || (o["seconds"] as Number).toDouble() !in 0.0..3600.0))
-            if (bad) reject("config.inject_failure", "$sp must be {window: uint (null for slow-phase1), point: one of ${FAILURE_POINTS.joinToString(", ")}, seconds: 0..3600}", rid)
+                (o.containsKey("seconds") && (!isNumber(o["seconds"]) || (o["seconds"] as Number).toDouble() !in 0.0..3600.0)) ||
+                (o["mode"] ?: "process") !in FAILURE_MODES || (o["detect"] ?: "connection") !in FAILURE_DETECTS
+            if (bad) reject("config.inject_failure", "$sp must be {window: uint (null for slow-phase1), point: one of ${FAILURE_POINTS.joinToString(", ")}, seconds: 0..3600, " +
+                "mode: ${FAILURE_MODES.joinToString(" or ")}, detect: ${FAILURE_DETECTS.joinToString(" or ")}}", rid)
         }
     }
 }
