@@ -338,7 +338,7 @@ class Coordinator:
                 self._connect(st, timeout=max(1.0, reconnect_until - time.time()) if reconnect_until else 10.0)
                 return
             except (OSError, DeviceError) as e:
-                if time.time() < reconnect_until:  # the phone may still be closing the old session
+                if time.time() < reconnect_until and st.device.alive():  # it may still be closing the old session
                     time.sleep(0.2)
                     continue
                 reconnect_until = 0.0
