@@ -115,9 +115,10 @@ def bench_micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int
 
 def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *, prefix: str, extra_args=None,
                   per_phone_args=None, coordinator_cls=None, on_event=None, max_seconds: float = 240.0,
-                  network=None):
+                  network=None, cpu_shares=None):
     """One coordinator run over freshly started emulated phones (real processes), stopped
-    afterwards; with `network` (an open host.netns.ShapedNetwork) each in its own namespace.
+    afterwards; with `network` (an open host.netns.ShapedNetwork) each in its own namespace, with
+    `cpu_shares` phone i held to cpu_shares[i] of a core.
     A hung run ends with RunError after `max_seconds`. Returns (result, metrics records)."""
     import dataclasses
     import json
@@ -127,7 +128,8 @@ def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *,
 
     settings = dataclasses.replace(settings, max_seconds=max_seconds)
     phones = start_phones(n_phones, Path(root) / "phones", prefix=f"{prefix}{os.getpid()}-",
-                          extra_args=extra_args, per_phone_args=per_phone_args, network=network)
+                          extra_args=extra_args, per_phone_args=per_phone_args, network=network,
+                          cpu_shares=cpu_shares)
     try:
         co = (coordinator_cls or Coordinator)(export_dir, [p.handle() for p in phones], mbs, settings,
                                               Path(root) / "run", run_id="bench", on_event=on_event)
@@ -158,3 +160,23 @@ def run_sampled(cmd: list[str], interval_s: float, env: dict | None = None) -> t
             time.sleep(interval_s)
         err.seek(0)
         return proc.returncode, err.read()[-4000:], samples
+
+
+def cpu_shares(text: str, stages: int) -> list[float] | None:
+    """--cpu-share: None (unbudgeted, pinned) or one share of a core per stage. ValueError (one line)."""
+    from zl_mobile.cpu_budget import CpuBudgetError, parse_shares, unavailable
+
+    if text == "none" or (text == "auto" and stages < 3):
+        return None
+    try:
+        shares = [round(1.8 / stages, 3)] * stages if text == "auto" else parse_shares(text, stages)
+    except CpuBudgetError as e:
+        raise ValueError(str(e)) from None
+    why = unavailable()
+    if why is not None:
+        raise ValueError(f"--cpu-share {text}: {why} (--cpu-share none runs {stages} stages on pinned, shared cores)")
+    cores = len(os.sched_getaffinity(0))
+    if sum(shares) > cores:
+        raise ValueError(f"--cpu-share {text}: the shares add up to {sum(shares):g} cores, more than the {cores} here; "
+                         f"give at most {cores - 0.2:g} in all, so the host and the links keep some")
+    return shares

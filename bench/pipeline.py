@@ -69,7 +69,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, bench_micro_batches, machine, now_iso, run_on_phones  # noqa: E402
+from common import MiB, REPO, bench_micro_batches, cpu_shares, machine, now_iso, run_on_phones  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -82,26 +82,6 @@ def chunk_spec(stages: int, per_stage: int | None = None) -> tuple[str, int]:
     each; default 3 at 2 stages, the setting docs/BENCHMARKS.md reports, else 2)."""
     per_stage = per_stage or (3 if stages == 2 else 2)
     return ",".join(f"{per_stage * i}-{per_stage * i + per_stage - 1}" for i in range(stages)), per_stage * stages
-
-
-def cpu_shares(text: str, stages: int) -> list[float] | None:
-    """--cpu-share: None (unbudgeted, pinned) or one share of a core per stage. ValueError (one line)."""
-    from zl_mobile.cpu_budget import CpuBudgetError, parse_shares, unavailable
-
-    if text == "none" or (text == "auto" and stages < 3):
-        return None
-    try:
-        shares = [round(1.8 / stages, 3)] * stages if text == "auto" else parse_shares(text, stages)
-    except CpuBudgetError as e:
-        raise ValueError(str(e)) from None
-    why = unavailable()
-    if why is not None:
-        raise ValueError(f"--cpu-share {text}: {why} (--cpu-share none runs {stages} stages on pinned, shared cores)")
-    cores = len(os.sched_getaffinity(0))
-    if sum(shares) > cores:
-        raise ValueError(f"--cpu-share {text}: the shares add up to {sum(shares):g} cores, more than the {cores} here; "
-                         f"give at most {cores - 0.2:g} in all, so the host and the links keep some")
-    return shares
 
 
 def stage_cores(i: int, per_stage: int, cores: list[int]) -> list[int]:

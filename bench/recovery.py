@@ -15,6 +15,18 @@ the process restart + connect + re-push, and rejoined -> caught up, which is the
 link bytes = link_bytes(run) - link_bytes(uninterrupted run), file bytes re-pushed after the
 failure, and the largest LoRA difference to the uninterrupted run. Ratios are local / global.
 
+Failure modes (`--failure-modes`, each run with both recoveries, interleaved over `--reps`):
+  process        the phone process exits at the point (os._exit): a restart of the process,
+                 imports and program load included; detected by the dropped connection
+  app            the stage fails inside the running phone (it drops its in-memory state, the
+                 app serves on, as the seed's E2 keeps its workers alive): detected by the
+                 dropped session; the host reconnects and the stage restores its checkpoint
+  app-heartbeat  the same, but the phone goes silent: detected by the heartbeat timeout
+                 (`--heartbeat-timeout`); latency counts from detection, and the detection
+                 delay (failure -> detected, from the phone's injection marker) is shown apart
+Phones are budgeted as for bench/pipeline.py (`--cpu-share auto`: 0.6 of a core each at three
+stages), so each stage computes on its own share and none steals from another.
+
 Usage:
   python bench/recovery.py --export DIR --make-export  # export the benchmark model first (~1 min)
   python bench/recovery.py --export DIR            # an export with 3 chunks, micro_batch 1
@@ -31,11 +43,13 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, bench_micro_batches, machine, median, now_iso, run_on_phones  # noqa: E402
+from common import MiB, REPO, bench_micro_batches, cpu_shares, machine, median, now_iso, run_on_phones  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
 PAPER = {"latency_ms": (2013, 2381), "bytes_mib": (96, 192)}
+FAILURE_MODES = {"process": {}, "app": {"mode": "app", "detect": "connection"},
+                 "app-heartbeat": {"mode": "app", "detect": "heartbeat"}}
 
 
 BENCH_MODEL = dict(num_hidden_layers=6, hidden_size=512, intermediate_size=1376, num_attention_heads=8,
@@ -71,14 +85,16 @@ def make_export(out: Path, chunks: str, micro_batch: int, modes=("zerolock",), s
 
 
 def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, phone_args=None,
-             max_seconds: float = 240.0) -> dict:
+             max_seconds: float = 240.0, shares=None) -> dict:
     """One coordinator run over emulated phones, with the host's events timed as they happen."""
     events = []
     t0 = time.time()
     result, records = run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="rb",
-                                    extra_args=phone_args, max_seconds=max_seconds,
+                                    extra_args=phone_args, max_seconds=max_seconds, cpu_shares=shares,
                                     on_event=lambda k, d: events.append((time.time(), k, d)))
     result["wall_s"] = time.time() - t0
+    # when the failure happened, on the phone's clock (the same machine): its injection marker
+    result["injected_at"] = sorted(m.stat().st_mtime for m in Path(root).glob("phones/*/failure-injected-*"))
     result["events"] = events
     result["records"] = records
     return result
@@ -131,7 +147,9 @@ def summarize(result: dict, base: dict | None) -> dict:
         cu = caught_up_from_records(result["records"], r) or r["caught_up"]
         # files (program, weights, LoRA init, manifest) pushed again after the failure
         pushed = sum(d.get("sent", 0) or 0 for t, k, d in result["events"] if k == "push" and t >= det)
+        injected = [t for t in result.get("injected_at", []) if t <= det]
         recs.append({"kind": r["kind"], "stages": r["stages"], "why": r["why"], "frontier": r["frontier"],
+                     "detection_s": (det - injected[-1]) if injected else None,
                      "resumed_after_window": r["resumed_after_window"],
                      "latency_s": (cu - det) if cu else None, "coordinator_caught_up_s":
                      (r["caught_up"] - det) if r["caught_up"] else None, "restart_s": rej - det,
@@ -161,6 +179,13 @@ def main(argv=None) -> int:
     ap.add_argument("--fail-window", type=int, default=4)
     ap.add_argument("--point", default="after-phase1")
     ap.add_argument("--reps", type=int, default=1, help="repeats of each failure config (medians reported)")
+    ap.add_argument("--failure-modes", default="process,app,app-heartbeat",
+                    help=f"comma-separated, of {', '.join(FAILURE_MODES)} (see above)")
+    ap.add_argument("--heartbeat-timeout", type=float, default=2.0,
+                    help="seconds of silence after which the host takes a phone for failed")
+    ap.add_argument("--cpu-share", default="auto",
+                    help="each phone's share of a core: F, F1,... (one per stage), none (pinned cores), or auto "
+                         "(1.8 / stages at 3 and 4 stages)")
     ap.add_argument("--rate-mbit", type=float, default=None, help="shape every phone's outgoing links")
     ap.add_argument("--out", type=Path, default=REPO / "bench/results/recovery.json")
     a = ap.parse_args(argv)
@@ -178,78 +203,98 @@ def main(argv=None) -> int:
     phone_args = ["--rate-mbit", str(a.rate_mbit)] if a.rate_mbit else None
     base_kw = dict(windows=a.windows, window_size=a.window_size, inflight_depth=a.inflight_depth, lr=2e-3,
                    replay_horizon=a.replay_horizon or 4 * a.window_size)
-    failure = [{"stage": a.fail_stage, "window": a.fail_window, "point": a.point}]
-    configs = [("none", RunSettings(**base_kw))]
+    modes = a.failure_modes.split(",")
+    if not set(modes) <= set(FAILURE_MODES):
+        ap.error(f"--failure-modes {a.failure_modes}: use some of {', '.join(FAILURE_MODES)}")
+    try:
+        shares = cpu_shares(a.cpu_share, n_stages)
+    except ValueError as e:
+        ap.error(str(e))
+    base_kw["heartbeat_timeout"] = a.heartbeat_timeout
+    failure = {"stage": a.fail_stage, "window": a.fail_window, "point": a.point}
+    configs = [("none", None, RunSettings(**base_kw))]
     for rep in range(a.reps):
-        configs += [("local", RunSettings(**base_kw, inject_failure=failure, recovery="local")),
-                    ("global-rollback", RunSettings(**base_kw, inject_failure=failure, recovery="global-rollback"))]
+        for mode in modes:
+            spec = [{**failure, **FAILURE_MODES[mode]}]
+            configs += [("local", mode, RunSettings(**base_kw, inject_failure=spec, recovery="local")),
+                        ("global-rollback", mode, RunSettings(**base_kw, inject_failure=spec, recovery="global-rollback"))]
 
     stamp = time.strftime("%H%M%S")
     runs, base = [], None
-    for i, (name, settings) in enumerate(configs):
-        root = a.work / f"{stamp}-{i}-{name}"
+    for i, (name, mode, settings) in enumerate(configs):
+        label = name if mode is None else f"{mode}/{name}"
+        root = a.work / f"{stamp}-{i}-{label.replace('/', '-')}"
         t = time.time()
         try:
-            res = run_once(a.export, root, settings, mbs, n_stages, phone_args)
+            res = run_once(a.export, root, settings, mbs, n_stages, phone_args, shares=shares)
         except Exception as e:  # keep going: report what failed
-            print(f"[{name}] FAILED: {e}", flush=True)
-            runs.append({"config": name, "failed": str(e), "recoveries": []})
+            print(f"[{label}] FAILED: {e}", flush=True)
+            runs.append({"config": name, "mode": mode, "failed": str(e), "recoveries": []})
             continue
         s = summarize(res, base)
         if name == "none":
             base = res
-        s["config"] = name
+        s["config"], s["mode"] = name, mode
         runs.append(s)
         rec = s["recoveries"][0] if s["recoveries"] else {}
-        print(f"[{name}] {time.time() - t:.1f} s wall, run {s['seconds']:.1f} s, link {s['link_bytes'] / MiB:.1f} MiB"
+        print(f"[{label}] {time.time() - t:.1f} s wall, run {s['seconds']:.1f} s, link {s['link_bytes'] / MiB:.1f} MiB"
               + (f", latency {rec['latency_s'] * 1e3:.0f} ms (restart {rec['restart_s'] * 1e3:.0f} + replay "
                  f"{rec['replay_s'] * 1e3:.0f}), extra {s['extra_link_bytes'] / MiB:.2f} MiB, "
                  f"lora diff {s['lora_max_abs_diff']:.2g}" if rec and rec.get("latency_s") else ""), flush=True)
 
-    def agg(kind, key):
-        vals = [r["recoveries"][0][key] for r in runs if r["config"] == kind and r["recoveries"]
-                and r["recoveries"][0].get(key) is not None]
-        return median(vals)
+    def agg(mode, kind, key):
+        return median([r["recoveries"][0][key] for r in runs if (r["config"], r["mode"]) == (kind, mode)
+                       and r["recoveries"] and r["recoveries"][0].get(key) is not None])
 
-    def agg_run(kind, key):
-        return median([r[key] for r in runs if r["config"] == kind and r.get(key) is not None])
+    def agg_run(mode, kind, key):
+        return median([r[key] for r in runs if (r["config"], r["mode"]) == (kind, mode) and r.get(key) is not None])
 
-    table = {}
-    for kind in ("local", "global-rollback"):
-        table[kind] = {"latency_s": agg(kind, "latency_s"), "restart_s": agg(kind, "restart_s"),
-                       "replay_s": agg(kind, "replay_s"), "extra_link_bytes": agg_run(kind, "extra_link_bytes"),
-                       "file_bytes_repushed": agg(kind, "file_bytes_repushed"),
-                       "extra_seconds": agg_run(kind, "extra_seconds"),
-                       "recomputed_micro_batch_steps": agg_run(kind, "recomputed_micro_batch_steps"),
-                       "recommitted_windows": agg_run(kind, "recommitted_windows"),
-                       "extra_link_bytes_sender": agg_run(kind, "extra_link_bytes_sender"),
-                       "coordinator_caught_up_s": agg(kind, "coordinator_caught_up_s"),
-                       "lora_max_abs_diff": max([r["lora_max_abs_diff"] for r in runs if r["config"] == kind
-                                                 and "lora_max_abs_diff" in r] or [float("nan")])}
-    L, G = table["local"], table["global-rollback"]
-    ratios = {"latency": L["latency_s"] / G["latency_s"], "replay": L["replay_s"] / G["replay_s"],
-              "extra_link_bytes": (L["extra_link_bytes"] / G["extra_link_bytes"]) if G["extra_link_bytes"] else None,
-              "extra_link_plus_file_bytes": (L["extra_link_bytes"] + L["file_bytes_repushed"])
-              / (G["extra_link_bytes"] + G["file_bytes_repushed"])}
+    def ratio(x, y):
+        return x / y if x is not None and y else None
+
     paper = {"latency": PAPER["latency_ms"][0] / PAPER["latency_ms"][1], "bytes": PAPER["bytes_mib"][0] / PAPER["bytes_mib"][1]}
+    table, ratios = {}, {}
+    keys = ("latency_s", "restart_s", "replay_s", "detection_s", "file_bytes_repushed", "coordinator_caught_up_s")
+    run_keys = ("extra_link_bytes", "extra_seconds", "recomputed_micro_batch_steps", "recommitted_windows",
+                "extra_link_bytes_sender")
+    for mode in modes:
+        for kind in ("local", "global-rollback"):
+            table[f"{mode}/{kind}"] = {**{k: agg(mode, kind, k) for k in keys}, **{k: agg_run(mode, kind, k) for k in run_keys},
+                                       "lora_max_abs_diff": max([r["lora_max_abs_diff"] for r in runs
+                                                                 if (r["config"], r["mode"]) == (kind, mode)
+                                                                 and "lora_max_abs_diff" in r] or [float("nan")])}
+        L, G = table[f"{mode}/local"], table[f"{mode}/global-rollback"]
+        ratios[mode] = {"latency": ratio(L["latency_s"], G["latency_s"]), "replay": ratio(L["replay_s"], G["replay_s"]),
+                        "extra_link_bytes": ratio(L["extra_link_bytes"], G["extra_link_bytes"]),
+                        "extra_seconds": ratio(L["extra_seconds"], G["extra_seconds"])}
+
+    def ms(v):
+        return "-" if v is None else f"{v * 1e3:,.0f} ms"
+
+    def mib(v):
+        return "-" if v is None else f"{v / MiB:,.2f} MiB"
+
+    def num(v, fmt=".3f"):
+        return "-" if v is None else format(v, fmt)
 
     print()
-    print("| recovery | latency (detected -> caught up) | restart | replay | extra link bytes | files re-pushed | "
-          "recomputed mb-steps | re-committed windows | LoRA max |diff| vs uninterrupted |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for kind, r in table.items():
-        print(f"| {kind} | {r['latency_s'] * 1e3:,.0f} ms | {r['restart_s'] * 1e3:,.0f} ms | {r['replay_s'] * 1e3:,.0f} ms | "
-              f"{r['extra_link_bytes'] / MiB:,.2f} MiB | {r['file_bytes_repushed'] / MiB:,.1f} MiB | "
-              f"{r['recomputed_micro_batch_steps']:.0f} | {r['recommitted_windows']:.0f} | {r['lora_max_abs_diff']:.2g} |")
-    print(f"\nratios local/global: latency {ratios['latency']:.3f} (paper {paper['latency']:.3f}), "
-          f"replay part {ratios['replay']:.3f}, extra link bytes "
-          f"{ratios['extra_link_bytes'] if ratios['extra_link_bytes'] is None else round(ratios['extra_link_bytes'], 3)} "
-          f"(paper {paper['bytes']:.3f}), link + re-pushed file bytes {ratios['extra_link_plus_file_bytes']:.3f}")
+    print("| failure / recovery | detection | latency (detected -> caught up) | restart | replay | extra link bytes | "
+          "files re-pushed | recomputed mb-steps | re-committed windows | LoRA max |diff| vs uninterrupted |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for label, r in table.items():
+        print(f"| {label} | {ms(r['detection_s'])} | {ms(r['latency_s'])} | {ms(r['restart_s'])} | {ms(r['replay_s'])} | "
+              f"{mib(r['extra_link_bytes'])} | {mib(r['file_bytes_repushed'])} | {num(r['recomputed_micro_batch_steps'], '.0f')} | "
+              f"{num(r['recommitted_windows'], '.0f')} | {num(r['lora_max_abs_diff'], '.2g')} |")
+    for mode, q in ratios.items():
+        print(f"ratios local/global, {mode}: latency {num(q['latency'])} (target <= 0.5; paper {paper['latency']:.3f}), "
+              f"replay part {num(q['replay'])}, extra link bytes {num(q['extra_link_bytes'])} (target <= 0.34; paper "
+              f"{paper['bytes']:.3f}), extra run time {num(q['extra_seconds'])}")
 
     out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
            "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in man["chunks"]],
            "settings": {**base_kw, "micro_batch": mb_size, "seq_len": seq, "stages": n_stages, "failure": failure,
-                        "reps": a.reps, "rate_mbit": a.rate_mbit},
+                        "reps": a.reps, "rate_mbit": a.rate_mbit, "failure_modes": modes, "cpu_shares": shares,
+                        "heartbeat_timeout_s": a.heartbeat_timeout},
            "runs": runs, "table": table, "ratios_local_over_global": ratios, "paper_ratios": paper}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1, default=str))
