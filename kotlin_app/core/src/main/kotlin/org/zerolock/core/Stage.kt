@@ -17,9 +17,10 @@ class UpdateWindows(val size: Int) {
  *
  * Rules:
  * - micro-batches are trained in order, starting at [nextMicroBatch] = (lastCommittedWindow+1)*W.
- * - gradients are summed over the window (never persisted); after the window's last micro-batch:
- *   AdamW step, checkpoint (LoRA + m, v, step + window id) written durably, THEN the window is
- *   recorded as committed.
+ * - gradients are accumulated over the window as a token-level mean ([WindowGradients],
+ *   PROTOCOL.md 5.4.2; never persisted); after the window's last micro-batch: AdamW step,
+ *   checkpoint (LoRA + m, v, step + window id) written durably, THEN the window is recorded as
+ *   committed.
  * - a micro-batch whose window <= lastCommittedWindow is never applied again ([Outcome.SKIPPED]).
  * - if the checkpoint cannot be written, the in-memory update is rolled back to the last committed
  *   checkpoint, so the window is redone exactly once on replay.
@@ -37,7 +38,7 @@ class StageTrainer(
     private val initial: Map<String, FloatArray> = initialParams.mapValues { it.value.copyOf() }
     private var params: LinkedHashMap<String, FloatArray> = LinkedHashMap()
     private var states: LinkedHashMap<String, AdamWState> = LinkedHashMap()
-    private var accum: LinkedHashMap<String, FloatArray> = LinkedHashMap()
+    private val accum = WindowGradients(initialParams.mapValues { it.value.size })
 
     var lastCommittedWindow: Long = -1
         private set
@@ -74,14 +75,9 @@ class StageTrainer(
             lastCommittedWindow = ck.lastCommittedWindow
             optimizerSteps = ck.optimizerSteps
         }
-        resetAccumulators()
+        accum.reset()
         pendingWindow = null
         nextMicroBatch = windows.firstOf(lastCommittedWindow + 1)
-    }
-
-    private fun resetAccumulators() {
-        accum = LinkedHashMap()
-        for (n in names) accum[n] = FloatArray(params[n]!!.size)
     }
 
     fun isTrainable(mb: Long): Boolean = windows.windowOf(mb) > lastCommittedWindow
@@ -96,29 +92,25 @@ class StageTrainer(
      * and commit at once ([Outcome.COMMITTED]). The stage runtime uses [accumulate] and
      * [commitWindow] instead, to report the micro-batch before the window's step.
      */
-    fun onGradients(mb: Long, grads: Map<String, FloatArray>): Outcome {
-        val o = accumulate(mb, grads)
+    fun onGradients(mb: Long, grads: Map<String, FloatArray>, validPositions: Int): Outcome {
+        val o = accumulate(mb, grads, validPositions)
         if (o != Outcome.WINDOW_COMPLETE) return o
         commitWindow()
         return Outcome.COMMITTED
     }
 
     /**
-     * Add micro-batch [mb]'s gradients to its window's sum. [Outcome.WINDOW_COMPLETE]: it was the
-     * window's last micro-batch, and [commitWindow] must run before the next micro-batch.
+     * Add micro-batch [mb]'s gradients, those of its mean loss over its [validPositions] (n_i),
+     * to its window. [Outcome.WINDOW_COMPLETE]: it was the window's last micro-batch, and
+     * [commitWindow] must run before the next micro-batch.
      */
-    fun accumulate(mb: Long, grads: Map<String, FloatArray>): Outcome {
+    fun accumulate(mb: Long, grads: Map<String, FloatArray>, validPositions: Int): Outcome {
         if (!isTrainable(mb)) return Outcome.SKIPPED
         pendingWindow?.let { throw StageError("window_not_committed", "window $it is complete but not committed; micro-batch $mb must wait") }
         if (mb != nextMicroBatch) {
             throw StageError("out_of_order", "expected micro-batch $nextMicroBatch, got $mb")
         }
-        if (grads.keys != params.keys) throw StageError("bad_gradients", "gradient tensors ${grads.keys} != ${params.keys}")
-        for ((n, g) in grads) {
-            val a = accum[n]!!
-            if (g.size != a.size) throw StageError("bad_gradients", "gradient $n has ${g.size} values, expected ${a.size}")
-            for (i in a.indices) a[i] += g[i]
-        }
+        accum.add(grads, validPositions)
         nextMicroBatch = mb + 1
         if (!windows.isLastOfWindow(mb)) return Outcome.ACCUMULATED
         pendingWindow = windows.windowOf(mb)
@@ -132,7 +124,8 @@ class StageTrainer(
      */
     fun commitWindow(): Long {
         val window = pendingWindow ?: throw StageError("no_complete_window", "no complete window to commit (next micro-batch $nextMicroBatch)")
-        for (n in names) optimizer.step(params[n]!!, accum[n]!!, states[n]!!)
+        val grad = accum.mean()
+        for (n in names) optimizer.step(params[n]!!, grad[n]!!, states[n]!!)
         val ck = Checkpoint(
             lastCommittedWindow = window,
             optimizerSteps = optimizerSteps + 1,
@@ -150,7 +143,7 @@ class StageTrainer(
         lastCommittedWindow = window
         optimizerSteps += 1
         pendingWindow = null
-        resetAccumulators()
+        accum.reset()
         return window
     }
 }

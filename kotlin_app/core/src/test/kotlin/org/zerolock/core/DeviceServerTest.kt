@@ -172,9 +172,9 @@ class DeviceServerTest {
                 val runner = AffineChunkRunner()
                 val ref = StageTrainer(UpdateWindows(2), AdamW(lr = 0.05, weightDecay = 0.0), MemoryCheckpointStore(), runner.initialLora())
                 for (mb in 0L until 8L) {
-                    val batch = mapOf("h" to input(mb))
+                    val batch = LossBatch.of(mb, mapOf("h" to input(mb)), runner.readoutRows)
                     val lora = ref.parameters()
-                    ref.onGradients(mb, runner.phase2(batch, runner.phase1(batch, lora), lora).grads)
+                    ref.onGradients(mb, runner.phase2(batch.tensors, runner.phase1(batch.tensors, lora), lora).grads, batch.valid)
                 }
                 for (n in listOf("a", "b")) assertArrayEquals(ref.parameter(n), st.tensor(n).toFloatArray(), n)
             }

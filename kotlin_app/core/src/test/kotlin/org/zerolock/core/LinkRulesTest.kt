@@ -209,6 +209,7 @@ class StageRestartTest {
 
     private companion object {
         fun grads(mb: Long): Map<String, FloatArray> = linkedMapOf("a" to floatArrayOf(0.1f * (mb + 1), -0.05f * mb))
+        fun nValid(mb: Long): Int = (mb % 3 + 1).toInt()
     }
 
     /** Downstream: queue + trainer; upstream: its outbound link state. One "connection" at a time. */
@@ -231,7 +232,7 @@ class StageRestartTest {
                 up.onCredit(1)
                 assertEquals(nextMb, h)
                 applied.add(nextMb)
-                if (trainer.onGradients(nextMb, grads(nextMb)) == StageTrainer.Outcome.COMMITTED) {
+                if (trainer.onGradients(nextMb, grads(nextMb), nValid(nextMb)) == StageTrainer.Outcome.COMMITTED) {
                     up.onCommitted(trainer.lastCommittedWindow)
                 }
                 nextMb++; done++
@@ -260,7 +261,7 @@ class StageRestartTest {
         assertEquals(4, second.trainer.optimizerSteps, "4 windows, 4 AdamW steps")
 
         val ref = StageTrainer(UpdateWindows(W), opt(), MemoryCheckpointStore(), initial())
-        for (mb in 0L until 8L) ref.onGradients(mb, grads(mb))
+        for (mb in 0L until 8L) ref.onGradients(mb, grads(mb), nValid(mb))
         assertArrayEquals(ref.parameter("a"), second.trainer.parameter("a"), "same as an uninterrupted run")
     }
 

@@ -15,12 +15,12 @@ import org.zerolock.core.protocol.Tensor
 import java.io.File
 
 class ManifestRunnerTest {
-    private val manifest = """{"format": "zerolock-export", "chunks": [{"index": 0, "program": "chunk_0.pte", "weights": "chunk_0.ptd",
+    private val manifest = """{"format": "zerolock-export", "export": {"readout_rows": 2}, "chunks": [{"index": 0, "program": "chunk_0.pte", "weights": "chunk_0.ptd",
       "lora": [{"name": "q.lora_A", "shape": [2, 3]}, {"name": "q.lora_B", "shape": [3, 2]}],
       "methods": {
         "phase1": {"inputs": [{"name": "q.lora_A", "shape": [2, 3]}, {"name": "q.lora_B", "shape": [3, 2]}, {"name": "h_in", "shape": [1, 3]}],
                    "outputs": [{"name": "h_out"}, {"name": "saved_0"}]},
-        "phase2": {"inputs": [{"name": "q.lora_A"}, {"name": "q.lora_B"}, {"name": "saved_0"}, {"name": "labels"}],
+        "phase2": {"inputs": [{"name": "q.lora_A"}, {"name": "q.lora_B"}, {"name": "saved_0"}, {"name": "labels"}, {"name": "loss_weight", "shape": [2]}],
                    "outputs": [{"name": "loss"}, {"name": "task_loss"}, {"name": "consis_loss"}, {"name": "grad:q.lora_A"}, {"name": "grad:q.lora_B"}]}}}]}"""
 
     /** Records the calls; returns fixed outputs. */
@@ -49,9 +49,11 @@ class ManifestRunnerTest {
         assertEquals(ErrorCode.REJECTED, assertThrows<ProtocolException> { f.create(assign("0".repeat(64)), dir) }.code)
         val runner = f.create(assign(ManifestRunnerFactory.sha256(File(dir, "chunk_0.pte"))), dir)
         val lora = runner.initialLora()
+        assertEquals(2, runner.readoutRows, "from the manifest's export.readout_rows")
         assertEquals(listOf("q.lora_A", "q.lora_B"), runner.loraShapes.keys.toList())
         assertArrayEquals(FloatArray(6), lora["q.lora_B"], "B starts at zero")
-        val batch = mapOf("h" to Tensor.ofFloats(floatArrayOf(1f, 2f, 3f), 1, 3), "labels" to Tensor.ofLongs(longArrayOf(5, 6, 7), 1, 3))
+        val batch = LossBatch.of(0, mapOf("h" to Tensor.ofFloats(floatArrayOf(1f, 2f, 3f), 1, 3),
+            "labels" to Tensor.ofLongs(longArrayOf(5, -100, 7), 1, 3)), runner.readoutRows).tensors
         val p1 = runner.phase1(batch, lora)
         assertArrayEquals(floatArrayOf(9f, 8f, 7f), p1.h.toFloatArray())
         assertEquals(batch["h"], backend.calls[0].second[2], "h_in comes from the HIDDEN_STATE tensor h")
@@ -59,6 +61,7 @@ class ManifestRunnerTest {
         assertEquals(2.0, p2.loss); assertEquals(1.5, p2.taskLoss); assertEquals(0.5, p2.consisLoss)
         assertArrayEquals(FloatArray(6) { 2f }, p2.grads["q.lora_B"])
         assertEquals(listOf(1f), backend.calls[1].second[2].toFloatArray().toList(), "saved activations flow from phase 1")
+        assertEquals(listOf(1f, 1f), backend.calls[1].second[4].toFloatArray().toList(), "the stage's readout reaches the program by name")
         assertEquals(listOf(listOf("h_out", "saved_0"), listOf("loss", "task_loss", "consis_loss", "grad:q.lora_A", "grad:q.lora_B")),
             backend.outputNames, "the backend is told the manifest's output names")
         // a wrong input shape is a clear error

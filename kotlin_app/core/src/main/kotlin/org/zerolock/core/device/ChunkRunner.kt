@@ -19,8 +19,13 @@ class Phase1Result(val h: Tensor, val saved: Map<String, Tensor>)
 interface ChunkRunner {
     /** LoRA tensor names (in the program's input order) and shapes. */
     val loraShapes: LinkedHashMap<String, LongArray>
+    /**
+     * The program's readout rows (manifest `export.readout_rows`): the stage gathers each
+     * micro-batch's valid positions into them ([org.zerolock.core.LossBatch]). null: no readout.
+     */
+    val readoutRows: Int? get() = null
     fun initialLora(): Map<String, FloatArray>
-    /** [batch]: the HIDDEN_STATE tensors ("h" = h_{k-1}, plus labels/mask...). */
+    /** [batch]: the HIDDEN_STATE tensors ("h" = h_{k-1}, plus labels/mask...) and loss_index/target/weight. */
     fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result
     fun phase2(batch: Map<String, Tensor>, p1: Phase1Result, lora: Map<String, FloatArray>): Phase2Result
     fun close() {}
@@ -40,11 +45,16 @@ interface MethodBackend {
  * A chunk described by its entry in zl-export's manifest.json (`chunks[k]`): `methods.phase1` /
  * `methods.phase2` give input and output names (and input shapes/dtypes), `lora` the adapter
  * tensors. Inputs are matched by name: LoRA tensors from the adapter, "h_in" from the
- * HIDDEN_STATE tensor "h", any other from the HIDDEN_STATE tensor of that name, and phase-2
+ * HIDDEN_STATE tensor "h", any other from the micro-batch's tensors of that name (loss_index /
+ * loss_target / loss_weight: the readout the stage gathered into [readoutRows]), and phase-2
  * inputs also from phase 1's outputs. Phase 1 outputs "h_out" first; phase 2 outputs
  * "loss", "task_loss", "consis_loss", then "grad:<lora name>" per LoRA tensor.
  */
-class ManifestChunkRunner(private val chunk: Map<String, Any?>, private val backend: MethodBackend) : ChunkRunner {
+class ManifestChunkRunner(
+    private val chunk: Map<String, Any?>,
+    private val backend: MethodBackend,
+    override val readoutRows: Int? = null,
+) : ChunkRunner {
     class Spec(val name: String, val shape: LongArray?, val dtype: String?)
 
     private val methods = chunk["methods"].asObject("manifest chunk 'methods'")

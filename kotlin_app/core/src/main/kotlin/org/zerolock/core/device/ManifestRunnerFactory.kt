@@ -33,8 +33,12 @@ class ManifestRunnerFactory(private val loadBackend: (program: File, weights: Fi
             if (!weights.isFile) reject(assignment, "${weights.name} was not pushed")
             assignment.msg.stringOrNull("weights_sha256")?.let { if (sha256(weights) != it) reject(assignment, "${weights.name} does not match weights_sha256; re-push it") }
         }
+        val rows = (manifest["export"] as? Map<*, *>)?.get("readout_rows")?.let {
+            (it as? Number)?.toLong()?.takeIf { n -> n in 0..Int.MAX_VALUE }?.toInt()
+                ?: reject(assignment, "manifest.json export.readout_rows must be a non-negative integer, got $it")
+        }
         ProcStats.SELF.runtimePssBytes() // before the first load: the memory breakdown's "runtime"
-        return ManifestChunkRunner(chunk, loadBackend(program, weights))
+        return ManifestChunkRunner(chunk, loadBackend(program, weights), rows)
     }
 
     private fun reject(a: StageAssignment, why: String): Nothing = throw ProtocolException(ErrorCode.REJECTED, why, a.msg.long("request_id"))

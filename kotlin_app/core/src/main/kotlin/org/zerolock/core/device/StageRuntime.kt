@@ -3,6 +3,7 @@ package org.zerolock.core.device
 import org.zerolock.core.AdamW
 import org.zerolock.core.FileCheckpointStore
 import org.zerolock.core.InboundQueue
+import org.zerolock.core.LossBatch
 import org.zerolock.core.ProcStats
 import org.zerolock.core.StageError
 import org.zerolock.core.StageTrainer
@@ -183,9 +184,11 @@ class StageRuntime(
         if (w != windows.windowOf(mb)) {
             throw StageError("bad_window", "micro-batch $mb labelled window $w, expected ${windows.windowOf(mb)} for window size ${windows.size}")
         }
+        // before phase 1, as zl_mobile: a micro-batch the program cannot read whole fails the stage
+        val batch = LossBatch.of(mb, m.tensors, runner.readoutRows)
         val lora = trainer.parameters()
         val t0 = System.nanoTime()
-        val p1 = runner.phase1(m.tensors, lora)
+        val p1 = runner.phase1(batch.tensors, lora)
         val t1 = System.nanoTime()
         activeNs += t1 - t0
         // early forwarding: h_k goes into the replay buffer and out as soon as a credit allows
@@ -200,8 +203,8 @@ class StageRuntime(
         if (trainer.isTrainable(mb)) {
             val t2 = System.nanoTime()
             phase2Start = t2
-            val p2 = runner.phase2(m.tensors, p1, lora)
-            windowComplete = trainer.accumulate(mb, p2.grads) == StageTrainer.Outcome.WINDOW_COMPLETE
+            val p2 = runner.phase2(batch.tensors, p1, lora)
+            windowComplete = trainer.accumulate(mb, p2.grads, batch.valid) == StageTrainer.Outcome.WINDOW_COMPLETE
             activeNs += System.nanoTime() - t2
             loss = p2.loss; taskLoss = p2.taskLoss; consisLoss = p2.consisLoss
         }
@@ -259,10 +262,10 @@ class StageRuntime(
         return m
     }
 
-    /** To the host as ERROR REJECTED (as zl_mobile does): a lost replay, a failed micro-batch. */
+    /** To the host as ERROR REJECTED, fatal (as zl_mobile does): a lost replay, a failed micro-batch. */
     private fun reportError(text: String) {
         log(text)
-        hostOut()?.let { out -> try { out.write(Messages.error(ErrorCode.REJECTED, text)) } catch (_: Exception) {} }
+        hostOut()?.let { out -> try { out.write(Messages.error(ErrorCode.REJECTED, text, fatal = true)) } catch (_: Exception) {} }
     }
 
     /** STATE_GET: the adapter ("lora") or AdamW moments ("optimizer") as tensors. */

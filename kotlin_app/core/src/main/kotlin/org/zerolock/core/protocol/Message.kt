@@ -157,9 +157,11 @@ object Schema {
 
 /** Builders for the messages a device and a host send. */
 object Messages {
-    fun error(code: ErrorCode, message: String, requestId: Long? = null): Message {
+    /** [fatal]: PROTOCOL.md 5.4.1, an ERROR from a stage's own runtime the run cannot go on after. */
+    fun error(code: ErrorCode, message: String, requestId: Long? = null, fatal: Boolean? = null): Message {
         val meta = linkedMapOf<String, Any?>("code" to code.name, "message" to message.replace('\n', ' '))
         if (requestId != null) meta["request_id"] = requestId
+        if (fatal != null) meta["fatal"] = fatal
         return Message(MsgType.ERROR, meta)
     }
 
