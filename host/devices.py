@@ -105,7 +105,9 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
     warned: set[str] = set()
     ever: dict[tuple, Reachable] = {}
     alike: set[str] = set()  # auto: names two usable devices share (never guessed between)
+    looks = 0
     while True:
+        looks += 1
         seen, notes = find_devices(timeout=min(2.0, max(0.5, deadline - time.time())), interfaces=interfaces,
                                    want=None)  # a whole look, not the first answers: see every namesake
         for note in notes:
@@ -122,10 +124,12 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                 chosen = picked
                 break
         else:
-            shared = {r.name for r in usable if sum(o.name == r.name for o in usable) > 1}
+            # namesakes over every look so far: one look, on a loaded network, may hear only one of two
+            pool = [r for r in ever.values() if reachable(r)]
+            shared = {r.name for r in pool if sum(o.name == r.name for o in pool) > 1}
             alike |= shared
             chosen = [r for r in usable if r.name in tokens and r.name not in shared][:need]
-            if len(chosen) >= need:
+            if len(chosen) >= need and looks >= 2:  # a second look before choosing: no namesake missed
                 break
         if time.time() >= deadline:
             seen = list(ever.values())
