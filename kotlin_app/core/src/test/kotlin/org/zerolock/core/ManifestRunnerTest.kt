@@ -2,6 +2,7 @@ package org.zerolock.core
 
 import org.junit.jupiter.api.Assertions.assertEquals
 import org.junit.jupiter.api.Assertions.assertArrayEquals
+import org.junit.jupiter.api.Assertions.assertTrue
 import org.junit.jupiter.api.Test
 import org.junit.jupiter.api.io.TempDir
 import org.zerolock.core.device.ManifestRunnerFactory
@@ -15,12 +16,12 @@ import org.zerolock.core.protocol.Tensor
 import java.io.File
 
 class ManifestRunnerTest {
-    private val manifest = """{"format": "zerolock-export", "export": {"readout_rows": 2}, "chunks": [{"index": 0, "program": "chunk_0.pte", "weights": "chunk_0.ptd",
+    private val manifest = """{"format": "zerolock-export", "export": {"readout_rows": 2, "alpha": 0.3}, "chunks": [{"index": 0, "program": "chunk_0.pte", "weights": "chunk_0.ptd",
       "lora": [{"name": "q.lora_A", "shape": [2, 3]}, {"name": "q.lora_B", "shape": [3, 2]}],
       "methods": {
         "phase1": {"inputs": [{"name": "q.lora_A", "shape": [2, 3]}, {"name": "q.lora_B", "shape": [3, 2]}, {"name": "h_in", "shape": [1, 3]}],
                    "outputs": [{"name": "h_out"}, {"name": "saved_0"}]},
-        "phase2": {"inputs": [{"name": "q.lora_A"}, {"name": "q.lora_B"}, {"name": "saved_0"}, {"name": "labels"}, {"name": "loss_weight", "shape": [2]}],
+        "phase2": {"inputs": [{"name": "q.lora_A"}, {"name": "q.lora_B"}, {"name": "saved_0"}, {"name": "labels"}, {"name": "loss_weight", "shape": [2]}, {"name": "alpha", "shape": [1]}],
                    "outputs": [{"name": "loss"}, {"name": "task_loss"}, {"name": "consis_loss"}, {"name": "grad:q.lora_A"}, {"name": "grad:q.lora_B"}]}}}]}"""
 
     /** Records the calls; returns fixed outputs. */
@@ -36,8 +37,9 @@ class ManifestRunnerTest {
         }
     }
 
-    private fun assign(sha: String) = StageAssignment(Message(MsgType.STAGE_ASSIGN, linkedMapOf(
-        "request_id" to 1, "stage" to 0, "num_stages" to 2, "upstream" to null, "downstream" to null, "program_sha256" to sha)))
+    private fun assign(sha: String, config: Map<String, Any?>? = null) = StageAssignment(Message(MsgType.STAGE_ASSIGN, linkedMapOf(
+        "request_id" to 1, "stage" to 0, "num_stages" to 2, "upstream" to null, "downstream" to null, "program_sha256" to sha,
+        "config" to config)))
 
     @Test
     fun `feeds inputs by name and reads outputs by name`(@TempDir dir: File) {
@@ -50,10 +52,12 @@ class ManifestRunnerTest {
         val runner = f.create(assign(ManifestRunnerFactory.sha256(File(dir, "chunk_0.pte"))), dir)
         val lora = runner.initialLora()
         assertEquals(2, runner.readoutRows, "from the manifest's export.readout_rows")
+        assertEquals(0.3, runner.alpha, "from the manifest's export.alpha")
         assertEquals(listOf("q.lora_A", "q.lora_B"), runner.loraShapes.keys.toList())
         assertArrayEquals(FloatArray(6), lora["q.lora_B"], "B starts at zero")
         val batch = LossBatch.of(0, mapOf("h" to Tensor.ofFloats(floatArrayOf(1f, 2f, 3f), 1, 3),
-            "labels" to Tensor.ofLongs(longArrayOf(5, -100, 7), 1, 3)), runner.readoutRows).tensors
+            "labels" to Tensor.ofLongs(longArrayOf(5, -100, 7), 1, 3)), runner.readoutRows).tensors +
+            ("alpha" to Tensor.ofFloats(floatArrayOf(0.3f), 1))
         val p1 = runner.phase1(batch, lora)
         assertArrayEquals(floatArrayOf(9f, 8f, 7f), p1.h.toFloatArray())
         assertEquals(batch["h"], backend.calls[0].second[2], "h_in comes from the HIDDEN_STATE tensor h")
@@ -62,10 +66,39 @@ class ManifestRunnerTest {
         assertArrayEquals(FloatArray(6) { 2f }, p2.grads["q.lora_B"])
         assertEquals(listOf(1f), backend.calls[1].second[2].toFloatArray().toList(), "saved activations flow from phase 1")
         assertEquals(listOf(1f, 1f), backend.calls[1].second[4].toFloatArray().toList(), "the stage's readout reaches the program by name")
+        assertEquals(listOf(0.3f), backend.calls[1].second[5].toFloatArray().toList(), "alpha reaches phase 2 by name")
+        assertEquals(3, backend.calls[0].second.size, "phase 1 does not list alpha, so is not given it")
         assertEquals(listOf(listOf("h_out", "saved_0"), listOf("loss", "task_loss", "consis_loss", "grad:q.lora_A", "grad:q.lora_B")),
             backend.outputNames, "the backend is told the manifest's output names")
         // a wrong input shape is a clear error
         val bad = mapOf("h" to Tensor.ofFloats(floatArrayOf(1f, 2f), 1, 2))
         assertThrows<IllegalArgumentException> { runner.phase1(bad, lora) }
+    }
+
+    @Test
+    fun `a bad or missing export alpha is refused at STAGE_ASSIGN`(@TempDir dir: File) {
+        File(dir, "chunk_0.pte").writeBytes(byteArrayOf(1, 2, 3))
+        File(dir, "chunk_0.ptd").writeBytes(byteArrayOf(4))
+        val sha = ManifestRunnerFactory.sha256(File(dir, "chunk_0.pte"))
+        val f = ManifestRunnerFactory { _, _ -> FakeBackend() }
+        fun create(alpha: String?, config: Map<String, Any?>? = null) = run {
+            val export = if (alpha == null) """{"readout_rows": 2}""" else """{"readout_rows": 2, "alpha": $alpha}"""
+            File(dir, "manifest.json").writeText(manifest.replace("""{"readout_rows": 2, "alpha": 0.3}""", export))
+            f.create(assign(sha, config), dir)
+        }
+        for (bad in listOf("1.5", "-0.1", "\"0.5\"", "true")) {
+            val e = assertThrows<ProtocolException> { create(bad) }
+            assertEquals(ErrorCode.REJECTED, e.code)
+            assertTrue(e.message!!.contains("manifest.json export.alpha must be a number from 0 to 1, got"), e.message)
+            assertEquals(false, e.message!!.contains("\n"), "one line")
+        }
+        assertEquals(1.0, create("1").alpha, "an integer 0 or 1 is a number")
+        val missing = assertThrows<ProtocolException> { create(null) }
+        assertEquals(ErrorCode.REJECTED, missing.code)
+        assertTrue(missing.message!!.contains("no export.alpha and STAGE_ASSIGN no config.alpha"), missing.message)
+        assertEquals(null, create(null, mapOf("alpha" to 0.7)).alpha, "config.alpha stands in for a missing export.alpha")
+        // a program without an alpha input needs none
+        File(dir, "manifest.json").writeText(manifest.replace(""", "alpha": 0.3""", "").replace(""", {"name": "alpha", "shape": [1]}""", ""))
+        assertEquals(null, f.create(assign(sha), dir).alpha)
     }
 }

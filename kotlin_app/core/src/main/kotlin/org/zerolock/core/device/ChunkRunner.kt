@@ -24,8 +24,13 @@ interface ChunkRunner {
      * micro-batch's valid positions into them ([org.zerolock.core.LossBatch]). null: no readout.
      */
     val readoutRows: Int? get() = null
+    /**
+     * The manifest's `export.alpha` (local loss alpha*CE + (1-alpha)*KL): the stage feeds it as
+     * input "alpha" unless STAGE_ASSIGN's config.alpha overrides it. null: none.
+     */
+    val alpha: Double? get() = null
     fun initialLora(): Map<String, FloatArray>
-    /** [batch]: the HIDDEN_STATE tensors ("h" = h_{k-1}, plus labels/mask...) and loss_index/target/weight. */
+    /** [batch]: the HIDDEN_STATE tensors ("h" = h_{k-1}, plus labels/mask...), loss_index/target/weight and alpha. */
     fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result
     fun phase2(batch: Map<String, Tensor>, p1: Phase1Result, lora: Map<String, FloatArray>): Phase2Result
     fun close() {}
@@ -46,7 +51,8 @@ interface MethodBackend {
  * `methods.phase2` give input and output names (and input shapes/dtypes), `lora` the adapter
  * tensors. Inputs are matched by name: LoRA tensors from the adapter, "h_in" from the
  * HIDDEN_STATE tensor "h", any other from the micro-batch's tensors of that name (loss_index /
- * loss_target / loss_weight: the readout the stage gathered into [readoutRows]), and phase-2
+ * loss_target / loss_weight: the readout the stage gathered into [readoutRows]; alpha: the loss
+ * weight the stage resolved from config.alpha or [alpha]), and phase-2
  * inputs also from phase 1's outputs. Phase 1 outputs "h_out" first; phase 2 outputs
  * "loss", "task_loss", "consis_loss", then "grad:<lora name>" per LoRA tensor.
  */
@@ -54,6 +60,7 @@ class ManifestChunkRunner(
     private val chunk: Map<String, Any?>,
     private val backend: MethodBackend,
     override val readoutRows: Int? = null,
+    override val alpha: Double? = null,
 ) : ChunkRunner {
     class Spec(val name: String, val shape: LongArray?, val dtype: String?)
 
@@ -128,6 +135,15 @@ class ManifestChunkRunner(
     }
 
     override fun close() = backend.close()
+
+    companion object {
+        /** Whether either phase of [chunk] lists an input named [name] (checked before the program is loaded). */
+        fun takesInput(chunk: Map<String, Any?>, name: String): Boolean =
+            listOf("phase1", "phase2").any { m ->
+                val inputs = ((chunk["methods"] as? Map<*, *>)?.get(m) as? Map<*, *>)?.get("inputs") as? List<*>
+                inputs?.any { (it as? Map<*, *>)?.get("name") == name } == true
+            }
+    }
 }
 
 /**

@@ -33,12 +33,22 @@ class ManifestRunnerFactory(private val loadBackend: (program: File, weights: Fi
             if (!weights.isFile) reject(assignment, "${weights.name} was not pushed")
             assignment.msg.stringOrNull("weights_sha256")?.let { if (sha256(weights) != it) reject(assignment, "${weights.name} does not match weights_sha256; re-push it") }
         }
-        val rows = (manifest["export"] as? Map<*, *>)?.get("readout_rows")?.let {
+        val export = manifest["export"] as? Map<*, *>
+        val rows = export?.get("readout_rows")?.let {
             (it as? Number)?.toLong()?.takeIf { n -> n in 0..Int.MAX_VALUE }?.toInt()
                 ?: reject(assignment, "manifest.json export.readout_rows must be a non-negative integer, got $it")
         }
+        val alpha = export?.get("alpha")?.let {
+            (it as? Number)?.toDouble()?.takeIf { a -> a in 0.0..1.0 }
+                ?: reject(assignment, "manifest.json export.alpha must be a number from 0 to 1, got $it")
+        }
+        // as zl_mobile, the export's alpha is needed only when config.alpha does not override it;
+        // refuse here rather than fail the first micro-batch on a missing program input
+        if (alpha == null && assignment.alpha == null && ManifestChunkRunner.takesInput(chunk, "alpha")) {
+            reject(assignment, "manifest.json has no export.alpha and STAGE_ASSIGN no config.alpha: the program needs its loss weight alpha")
+        }
         ProcStats.SELF.runtimePssBytes() // before the first load: the memory breakdown's "runtime"
-        return ManifestChunkRunner(chunk, loadBackend(program, weights), rows)
+        return ManifestChunkRunner(chunk, loadBackend(program, weights), rows, alpha)
     }
 
     private fun reject(a: StageAssignment, why: String): Nothing = throw ProtocolException(ErrorCode.REJECTED, why, a.msg.long("request_id"))

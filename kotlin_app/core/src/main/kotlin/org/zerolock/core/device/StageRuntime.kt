@@ -42,6 +42,8 @@ class StageAssignment(val msg: Message) {
     val lr: Double = (config["lr"] as? Number)?.toDouble() ?: 1e-3
     val weightDecay: Double = (config["weight_decay"] as? Number)?.toDouble() ?: 0.0
     val totalMicroBatches: Long? = (config["total_micro_batches"] as? Number)?.toLong()
+    /** config.alpha, the local loss weight; null: the export's ([ChunkRunner.alpha]). */
+    val alpha: Double? = (config["alpha"] as? Number)?.toDouble()
     /** config.restart: start afresh even if this device runs the same run_id and stage. */
     val restart: Boolean = config["restart"] == true
 
@@ -122,6 +124,8 @@ class StageRuntime(
             onError = { reportError(it) }, log = log).also { it.setAddress(assignment.downstream) }
     }
     val dataPort: Int get() = inbound.port
+    /** The program's input "alpha", [1] float32 as zl_mobile's Stage.alpha: config.alpha, else the export's. */
+    private val alpha: Tensor? = (assignment.alpha ?: runner.alpha)?.let { Tensor.ofFloats(floatArrayOf(it.toFloat()), 1) }
 
     @Volatile private var running = true
     private var activeNs = 0L
@@ -186,9 +190,11 @@ class StageRuntime(
         }
         // before phase 1, as zl_mobile: a micro-batch the program cannot read whole fails the stage
         val batch = LossBatch.of(mb, m.tensors, runner.readoutRows)
+        // in the batch as zl_mobile's Stage._batch: each phase takes it only if its inputs list it
+        val tensors = if (alpha == null) batch.tensors else batch.tensors + ("alpha" to alpha)
         val lora = trainer.parameters()
         val t0 = System.nanoTime()
-        val p1 = runner.phase1(batch.tensors, lora)
+        val p1 = runner.phase1(tensors, lora)
         val t1 = System.nanoTime()
         activeNs += t1 - t0
         // early forwarding: h_k goes into the replay buffer and out as soon as a credit allows
@@ -203,7 +209,7 @@ class StageRuntime(
         if (trainer.isTrainable(mb)) {
             val t2 = System.nanoTime()
             phase2Start = t2
-            val p2 = runner.phase2(batch.tensors, p1, lora)
+            val p2 = runner.phase2(tensors, p1, lora)
             windowComplete = trainer.accumulate(mb, p2.grads, batch.valid) == StageTrainer.Outcome.WINDOW_COMPLETE
             activeNs += System.nanoTime() - t2
             loss = p2.loss; taskLoss = p2.taskLoss; consisLoss = p2.consisLoss
