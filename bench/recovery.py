@@ -36,6 +36,7 @@ Results: bench/results/recovery.json (raw), printed table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -84,14 +85,25 @@ def make_export(out: Path, chunks: str, micro_batch: int, modes=("zerolock",), s
     return out
 
 
+def wire_upload_bytes(network) -> int:
+    """What the phones sent, as the kernel counts it on each phone's veth (bytes the bridge
+    received from it): exact whatever happens to a phone process, replays included."""
+    return sum(int(Path(f"/sys/class/net/{ph.host_dev}/statistics/rx_bytes").read_text()) for ph in network.phones)
+
+
 def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, phone_args=None,
-             max_seconds: float = 240.0, shares=None) -> dict:
-    """One coordinator run over emulated phones, with the host's events timed as they happen."""
+             max_seconds: float = 240.0, shares=None, netns: bool = False) -> dict:
+    """One coordinator run over emulated phones, with the host's events timed as they happen;
+    with `netns`, each phone in a namespace of its own (unshaped), so the kernel counts its traffic."""
+    from host.netns import ShapedNetwork
+
     events = []
     t0 = time.time()
-    result, records = run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="rb",
-                                    extra_args=phone_args, max_seconds=max_seconds, cpu_shares=shares,
-                                    on_event=lambda k, d: events.append((time.time(), k, d)))
+    with (ShapedNetwork(n_phones, None) if netns else contextlib.nullcontext()) as network:
+        result, records = run_on_phones(export_dir, root, settings, mbs, n_phones, prefix="rb",
+                                        extra_args=phone_args, max_seconds=max_seconds, cpu_shares=shares,
+                                        network=network, on_event=lambda k, d: events.append((time.time(), k, d)))
+        result["wire_bytes"] = wire_upload_bytes(network) if network is not None else None
     result["wall_s"] = time.time() - t0
     # when the failure happened, on the phone's clock (the same machine): its injection marker
     result["injected_at"] = sorted(m.stat().st_mtime for m in Path(root).glob("phones/*/failure-injected-*"))
@@ -130,13 +142,32 @@ def caught_up_from_records(records, rec) -> float | None:
     return None
 
 
+def resumed_from_records(records, rec) -> float | None:
+    """First time (host clock) after the rejoin at which every recovered stage is back where it
+    was: it reported a micro-batch >= the last one it had reported before the failure was detected
+    (lost work redone; "caught up" asks more: the frontier, where the furthest stage had got)."""
+    tel = [r for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
+    own = {k: max([r["micro_batch"] for r in tel if r["stage"] == k and r["t"] < rec["detected"]], default=-1)
+           for k in rec["stages"]}
+    seen = set()
+    for r in tel:
+        if r["t"] >= rec["rejoined"] and r["stage"] in own and r["micro_batch"] >= own[r["stage"]]:
+            seen.add(r["stage"])
+            if seen == set(own):
+                return r["t"]
+    return None
+
+
 def summarize(result: dict, base: dict | None) -> dict:
     import numpy as np
 
     rb = received_bytes(result["records"])
     out = {"seconds": result["seconds"], "link_bytes_sender": result["link_bytes"], "link_bytes": rb,
            "errors": result["errors"]}
+    out["wire_bytes"] = result.get("wire_bytes")
     if base is not None:
+        if result.get("wire_bytes") is not None and base.get("wire_bytes") is not None:
+            out["extra_wire_bytes"] = result["wire_bytes"] - base["wire_bytes"]
         out["extra_link_bytes"] = rb - received_bytes(base["records"])
         out["extra_link_bytes_sender"] = result["link_bytes"] - base["link_bytes"]
         out["lora_max_abs_diff"] = max(float(np.abs(result["lora"][n] - base["lora"][n]).max()) for n in base["lora"])
@@ -145,13 +176,15 @@ def summarize(result: dict, base: dict | None) -> dict:
     for r in result["recoveries"]:
         det, rej = r["detected"], r["rejoined"]
         cu = caught_up_from_records(result["records"], r) or r["caught_up"]
+        back = resumed_from_records(result["records"], r)
         # files (program, weights, LoRA init, manifest) pushed again after the failure
         pushed = sum(d.get("sent", 0) or 0 for t, k, d in result["events"] if k == "push" and t >= det)
         injected = [t for t in result.get("injected_at", []) if t <= det]
         recs.append({"kind": r["kind"], "stages": r["stages"], "why": r["why"], "frontier": r["frontier"],
                      "detection_s": (det - injected[-1]) if injected else None,
                      "resumed_after_window": r["resumed_after_window"],
-                     "latency_s": (cu - det) if cu else None, "coordinator_caught_up_s":
+                     "latency_s": (cu - det) if cu else None, "resumed_s": (back - det) if back else None,
+                     "coordinator_caught_up_s":
                      (r["caught_up"] - det) if r["caught_up"] else None, "restart_s": rej - det,
                      "replay_s": (cu - rej) if cu else None, "file_bytes_repushed": pushed,
                      "bytes_at_detection": r["bytes_at_detection"]})
@@ -183,6 +216,9 @@ def main(argv=None) -> int:
                     help=f"comma-separated, of {', '.join(FAILURE_MODES)} (see above)")
     ap.add_argument("--heartbeat-timeout", type=float, default=2.0,
                     help="seconds of silence after which the host takes a phone for failed")
+    ap.add_argument("--links", choices=["auto", "netns", "loopback"], default="auto",
+                    help="netns: every phone in its own network namespace, its traffic counted by the kernel "
+                         "(the extra bytes of a recovery, exactly); auto: netns where the machine allows it")
     ap.add_argument("--cpu-share", default="auto",
                     help="each phone's share of a core: F, F1,... (one per stage), none (pinned cores), or auto "
                          "(1.8 / stages at 3 and 4 stages)")
@@ -211,6 +247,12 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     base_kw["heartbeat_timeout"] = a.heartbeat_timeout
+    from host.netns import unavailable as netns_unavailable
+
+    why_not = netns_unavailable()
+    if a.links == "netns" and why_not:
+        ap.error(f"--links netns: {why_not}")
+    netns = a.links == "netns" or (a.links == "auto" and not why_not)
     failure = {"stage": a.fail_stage, "window": a.fail_window, "point": a.point}
     configs = [("none", None, RunSettings(**base_kw))]
     for rep in range(a.reps):
@@ -226,7 +268,7 @@ def main(argv=None) -> int:
         root = a.work / f"{stamp}-{i}-{label.replace('/', '-')}"
         t = time.time()
         try:
-            res = run_once(a.export, root, settings, mbs, n_stages, phone_args, shares=shares)
+            res = run_once(a.export, root, settings, mbs, n_stages, phone_args, shares=shares, netns=netns)
         except Exception as e:  # keep going: report what failed
             print(f"[{label}] FAILED: {e}", flush=True)
             runs.append({"config": name, "mode": mode, "failed": str(e), "recoveries": []})
@@ -254,8 +296,8 @@ def main(argv=None) -> int:
 
     paper = {"latency": PAPER["latency_ms"][0] / PAPER["latency_ms"][1], "bytes": PAPER["bytes_mib"][0] / PAPER["bytes_mib"][1]}
     table, ratios = {}, {}
-    keys = ("latency_s", "restart_s", "replay_s", "detection_s", "file_bytes_repushed", "coordinator_caught_up_s")
-    run_keys = ("extra_link_bytes", "extra_seconds", "recomputed_micro_batch_steps", "recommitted_windows",
+    keys = ("latency_s", "resumed_s", "restart_s", "replay_s", "detection_s", "file_bytes_repushed", "coordinator_caught_up_s")
+    run_keys = ("extra_wire_bytes", "extra_link_bytes", "extra_seconds", "recomputed_micro_batch_steps", "recommitted_windows",
                 "extra_link_bytes_sender")
     for mode in modes:
         for kind in ("local", "global-rollback"):
@@ -265,7 +307,9 @@ def main(argv=None) -> int:
                                                                  and "lora_max_abs_diff" in r] or [float("nan")])}
         L, G = table[f"{mode}/local"], table[f"{mode}/global-rollback"]
         ratios[mode] = {"latency": ratio(L["latency_s"], G["latency_s"]), "replay": ratio(L["replay_s"], G["replay_s"]),
+                        "resumed": ratio(L["resumed_s"], G["resumed_s"]),
                         "extra_link_bytes": ratio(L["extra_link_bytes"], G["extra_link_bytes"]),
+                        "extra_wire_bytes": ratio(L["extra_wire_bytes"], G["extra_wire_bytes"]),
                         "extra_seconds": ratio(L["extra_seconds"], G["extra_seconds"])}
 
     def ms(v):
@@ -278,22 +322,27 @@ def main(argv=None) -> int:
         return "-" if v is None else format(v, fmt)
 
     print()
-    print("| failure / recovery | detection | latency (detected -> caught up) | restart | replay | extra link bytes | "
-          "files re-pushed | recomputed mb-steps | re-committed windows | LoRA max |diff| vs uninterrupted |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| failure / recovery | detection | latency (detected -> caught up) | detected -> back where it was | restart | "
+          "replay | extra bytes sent "
+          "(kernel) | extra bytes received (telemetry) | files re-pushed | recomputed mb-steps | re-committed windows | "
+          "LoRA max |diff| vs uninterrupted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, r in table.items():
-        print(f"| {label} | {ms(r['detection_s'])} | {ms(r['latency_s'])} | {ms(r['restart_s'])} | {ms(r['replay_s'])} | "
-              f"{mib(r['extra_link_bytes'])} | {mib(r['file_bytes_repushed'])} | {num(r['recomputed_micro_batch_steps'], '.0f')} | "
+        print(f"| {label} | {ms(r['detection_s'])} | {ms(r['latency_s'])} | {ms(r['resumed_s'])} | {ms(r['restart_s'])} | "
+              f"{ms(r['replay_s'])} | "
+              f"{mib(r['extra_wire_bytes'])} | {mib(r['extra_link_bytes'])} | {mib(r['file_bytes_repushed'])} | "
+              f"{num(r['recomputed_micro_batch_steps'], '.0f')} | "
               f"{num(r['recommitted_windows'], '.0f')} | {num(r['lora_max_abs_diff'], '.2g')} |")
     for mode, q in ratios.items():
         print(f"ratios local/global, {mode}: latency {num(q['latency'])} (target <= 0.5; paper {paper['latency']:.3f}), "
-              f"replay part {num(q['replay'])}, extra link bytes {num(q['extra_link_bytes'])} (target <= 0.34; paper "
-              f"{paper['bytes']:.3f}), extra run time {num(q['extra_seconds'])}")
+              f"back where it was {num(q['resumed'])}, replay part {num(q['replay'])}, extra bytes sent {num(q['extra_wire_bytes'])} (target <= 0.34; paper "
+              f"{paper['bytes']:.3f}; received, by telemetry: {num(q['extra_link_bytes'])}), "
+              f"extra run time {num(q['extra_seconds'])}")
 
     out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
            "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in man["chunks"]],
            "settings": {**base_kw, "micro_batch": mb_size, "seq_len": seq, "stages": n_stages, "failure": failure,
-                        "reps": a.reps, "rate_mbit": a.rate_mbit, "failure_modes": modes, "cpu_shares": shares,
+                        "reps": a.reps, "rate_mbit": a.rate_mbit, "failure_modes": modes, "cpu_shares": shares, "links": "netns" if netns else "loopback",
                         "heartbeat_timeout_s": a.heartbeat_timeout},
            "runs": runs, "table": table, "ratios_local_over_global": ratios, "paper_ratios": paper}
     a.out.parent.mkdir(parents=True, exist_ok=True)
