@@ -9,7 +9,8 @@ its best assignment of chunks to phones, so only the boundaries differ) and with
 Reported: steady-state throughput of both (samples/s over the windows after the first) and their
 ratio; the planned split against the ideal (model work / total speed: the planner's continuous
 bound, which whole layers only approach); each stage's predicted time per micro-batch against the
-measured one (phase 1 + phase 2 + its share of the window's step, from window telemetry).
+measured one (busy time per micro-batch: each window's wall time less its waits, from window
+telemetry; the profile measures its calibration stages the same way).
 Targets (issue 19): planned >= 1.7x even, within 10% of the ideal, predictions within 10%.
 
 Needs root and the cgroup cpu controller for --cpu-share. The phones share the machine's cores:
@@ -76,8 +77,8 @@ def run_split(export_dir: Path, handles: list, settings, mbs, run_dir: Path) -> 
     throughput = last * rows / (ends[last] - ends[0])
     stages = []
     for k in range(len(handles)):
-        per = [(w["phase1_s"] + w["phase2_s"] + w["step_s"]) / w["micro_batches"] for w in win
-               if w["stage"] == k and w["window"] >= 1]
+        # busy time per micro-batch (the window's wall time less its waits), as the profile measures it
+        per = [(w["seconds"] - w["wait_s"]) / w["micro_batches"] for w in win if w["stage"] == k and w["window"] >= 1]
         stages.append(statistics.median(per))
     return {"samples_per_s": throughput, "measured_stage_s": stages, "seconds": ends[last] - ends[0]}
 

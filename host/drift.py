@@ -31,7 +31,10 @@ class DriftWatch:
         if kind != "telemetry" or data.get("kind") != "window" or data.get("window", 0) < self.skip:
             return
         n = data.get("micro_batches") or 1
-        per_mb = (data.get("phase1_s", 0.0) + data.get("phase2_s", 0.0) + data.get("step_s", 0.0)) / n
+        if "seconds" in data and "wait_s" in data:  # busy time (wall less waits), as host.profile measures it
+            per_mb = (data["seconds"] - data["wait_s"]) / n
+        else:
+            per_mb = (data.get("phase1_s", 0.0) + data.get("phase2_s", 0.0) + data.get("step_s", 0.0)) / n
         w = data["window"]
         self.measured.setdefault(w, {})[data["stage"]] = per_mb
         if len(self.measured[w]) == len(self.predicted):

@@ -284,7 +284,7 @@ def add_parsers(sub) -> None:
     export_flags(p)
     p.add_argument("--out", default="profiles", help="folder for the profiles (one JSON per device)")
     p.add_argument("--calibration", default=None, help="folder for the calibration programs (default OUT/calibration)")
-    p.add_argument("--reps", type=int, default=4, help="measured micro-batches per calibration stage (after one warm-up)")
+    p.add_argument("--reps", type=int, default=8, help="measured micro-batches per calibration stage (after one warm-up)")
     p.add_argument("--mem-limit", default=None, help="with emulated:N: each phone's memory limit, one for all or A,B,...")
     p.add_argument("--cpu-share", default=None, help="with emulated:N: each phone's share of one core, one for all or "
                                                      "F1,F2,... (zl-phone --cpu-share)")

@@ -202,6 +202,24 @@ def test_profile_fit_recovers_per_layer_and_fixed_costs(tmp_path):
     assert m.memory_bytes(1, first=True) == 302 * MiB
 
 
+def test_profile_fit_when_noise_hides_the_layer_cost_keeps_the_one_layer_time(tmp_path):
+    """The 3-layer stage measured no slower than the 1-layer one (timer or quota noise): the fit
+    falls back to sharing the 1-layer time between fixed and per-layer cost, and the model of a
+    1-layer stage still takes what was measured (it once counted that time twice)."""
+    from host.profile import build_profile, phone_model
+
+    def run(n, p1, p2):
+        return {"layers": n, "phase1_s": p1, "phase2_s": p2, "step_s": 0.0, "rss_peak_bytes": 300 * MiB,
+                "pss_runtime_bytes": 200 * MiB, "weights": {"embed": 1, "readout": 1, "layers": n * 1000},
+                "saved_activation_bytes": 1000 * n, "link_mbit": None}
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"export": {"seq_len": 16, "micro_batch": 2},
+                                                        "model": {"config": {"hidden_size": 64, "vocab_size": 512}}}))
+    prof = build_profile("p", {"memory_bytes": 8 << 30}, {1: run(1, 0.006, 0.053), 3: run(3, 0.003, 0.046)}, tmp_path)
+    m = phone_model(prof, window_size=4)
+    assert m.fixed_s + m.layer_s == pytest.approx(0.006 + 0.053)
+
+
 def test_export_chunks_from_a_plan_file(tmp_path):
     from exporter.chunk_spec import chunks_from_arg
     from exporter.errors import ChunkSpecError
