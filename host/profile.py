@@ -233,9 +233,19 @@ def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Pat
     p1_layer, p1_fixed = fit("phase1_s")
     p2_layer, p2_fixed = fit("phase2_s")
     st_layer, st_fixed = fit("step_s")
+    # the planner's cost: the two phases fitted together (each one alone can come out with a slope
+    # below zero, clamped, when a budget's quota cuts a short phase at random)
+    if "busy_s" in a and "busy_s" in b:
+        mb_layer, mb_fixed = fit("busy_s")
+    else:
+        mb_layer = mb_fixed = None
     if p1_layer + p2_layer <= 0:  # timer noise swamped the difference: half fixed, half the layer's
         p1_layer, p2_layer = a["phase1_s"] / CAL_LAYERS[0] / 2, a["phase2_s"] / CAL_LAYERS[0] / 2
         p1_fixed, p2_fixed = a["phase1_s"] / 2, a["phase2_s"] / 2
+    if mb_layer is None:  # a profile from phase times only
+        mb_layer, mb_fixed = p1_layer + p2_layer, p1_fixed + p2_fixed
+    elif mb_layer <= 0:
+        mb_layer, mb_fixed = a["busy_s"] / CAL_LAYERS[0] / 2, a["busy_s"] / 2
     wa, wb = a["weights"], b["weights"]
     layer_bytes = (wb["layers"] - wa["layers"]) // dn
     saved_layer = max((b["saved_activation_bytes"] - a["saved_activation_bytes"]) // dn, 0)
@@ -256,6 +266,7 @@ def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Pat
         "runs": {str(n): r for n, r in runs.items()},
         "fit": {"phase1_layer_s": p1_layer, "phase1_fixed_s": p1_fixed, "phase2_layer_s": p2_layer,
                 "phase2_fixed_s": p2_fixed, "step_layer_s": st_layer, "step_fixed_s": st_fixed,
+                "micro_batch_layer_s": mb_layer, "micro_batch_fixed_s": mb_fixed,
                 "runtime_bytes": runtime, "readout_bytes": wa["readout"], "embed_bytes": wa["embed"],
                 "layer_bytes": layer_bytes, "act_layer_bytes": act_layer, "act_fixed_bytes": act_fixed,
                 "held_layer_bytes": saved_layer,
@@ -269,8 +280,10 @@ def phone_model(profile: dict, window_size: int, link_mbit: float | None = None,
     """The planner's view of a profiled phone: times per micro-batch (the window's AdamW step and
     checkpoint shared out over its micro-batches), `scale` x slower (a measured drift)."""
     f = profile["fit"]
-    per = (f["phase1_layer_s"] + f["phase2_layer_s"] + f["step_layer_s"] / window_size) * scale
-    fixed = (f["phase1_fixed_s"] + f["phase2_fixed_s"] + f["step_fixed_s"] / window_size) * scale
+    mb_layer = f.get("micro_batch_layer_s", f["phase1_layer_s"] + f["phase2_layer_s"])  # older profiles: phases
+    mb_fixed = f.get("micro_batch_fixed_s", f["phase1_fixed_s"] + f["phase2_fixed_s"])
+    per = (mb_layer + f["step_layer_s"] / window_size) * scale
+    fixed = (mb_fixed + f["step_fixed_s"] / window_size) * scale
     return PhoneModel(name=profile["device"], layer_s=per, fixed_s=fixed,
                       link_mbit=link_mbit if link_mbit is not None else profile.get("link_mbit"),
                       budget_bytes=budget_bytes if budget_bytes is not None else profile.get("budget_bytes"),
