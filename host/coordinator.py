@@ -326,22 +326,28 @@ class Coordinator:
         failed.failed_at = None
         self._record_recovery("global-rollback", self.stages, why, detected, frontier, resumed_after_window=g)
 
+    def _reconnect_live(self, st: StageState, until: float) -> bool:
+        """A phone whose process still runs (its stage failed inside the app) is reconnected as it
+        is, as a real phone is; False if it is gone or does not answer by `until`."""
+        while st.device.alive is not None and st.device.alive() and time.time() < until:
+            try:
+                self._connect(st, timeout=max(1.0, until - time.time()))
+                return True
+            except (OSError, DeviceError):
+                time.sleep(0.2)  # it may still be closing the old session
+        return False
+
     def _rejoin(self, st: StageState, why: str, detected: float) -> None:
         deadline = detected + self.settings.rejoin_timeout
-        # a phone whose process still runs (its stage failed inside the app) is reconnected as it
-        # is, as a real phone is; only one that does not answer within a few seconds is restarted
-        reconnect_until = detected + 3.0 if st.device.alive is not None and st.device.alive() else 0.0
+        if self._reconnect_live(st, detected + 3.0):
+            return
         while True:
             try:
-                if st.device.restart is not None and time.time() >= reconnect_until:
+                if st.device.restart is not None:
                     st.device.endpoint = st.device.restart()
-                self._connect(st, timeout=max(1.0, reconnect_until - time.time()) if reconnect_until else 10.0)
+                self._connect(st)
                 return
             except (OSError, DeviceError) as e:
-                if time.time() < reconnect_until and st.device.alive():  # it may still be closing the old session
-                    time.sleep(0.2)
-                    continue
-                reconnect_until = 0.0
                 if time.time() > deadline:
                     raise RunError(f"stage {st.k} ({st.device.name}) did not come back within "
                                    f"{self.settings.rejoin_timeout:.0f} s after '{why}': restart the app on the phone "

@@ -94,11 +94,9 @@ class EmulatedPhone:
 
     def alive(self) -> bool:
         if self.adopted_pid is not None:
-            try:
-                os.kill(self.adopted_pid, 0)
-                return True
-            except OSError:
-                return False
+            from zl_mobile.processes import pid_alive
+
+            return pid_alive(self.adopted_pid)
         return self.proc is not None and self.proc.poll() is None
 
     def kill(self) -> None:

@@ -152,7 +152,8 @@ class Stage:
         self._stop.set()
         self.queue.stop()
         self.grads_in.stop()
-        self._thread.join(timeout=10)
+        if threading.current_thread() is not self._thread:  # an in-app failure stops it from inside
+            self._thread.join(timeout=10)
         self.inbound.close()
         if self.outbound is not None:
             self.outbound.close()
@@ -398,12 +399,7 @@ class Stage:
         optimizer, pending activations, gradients) is dropped; only what it committed to disk
         remains. The device then loses the host session (`connection`) or goes silent
         (`heartbeat`), and a new STAGE_ASSIGN restores the stage from its checkpoint."""
-        self._stop.set()
-        self.queue.stop()
-        self.grads_in.stop()
-        self.inbound.close()
-        if self.outbound is not None:
-            self.outbound.close()
+        self.stop()
         self._pending.clear()
         self.lora = self.opt = self._acc = None
         if self.on_failure is not None:

@@ -11,20 +11,13 @@ import org.zerolock.core.device.Phase1Result
 import org.zerolock.core.device.Phase2Result
 import org.zerolock.core.device.StageAssignment
 import org.zerolock.core.device.StageRuntime
-import org.zerolock.core.protocol.ConnectionClosedException
 import org.zerolock.core.protocol.DType
-import org.zerolock.core.protocol.FrameReader
-import org.zerolock.core.protocol.FrameWriter
-import org.zerolock.core.protocol.Frames
 import org.zerolock.core.protocol.Handshake
 import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.Messages
 import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.Tensor
-import java.io.ByteArrayInputStream
-import java.io.ByteArrayOutputStream
 import java.io.File
-import java.io.OutputStream
 import java.net.InetAddress
 import java.util.Collections
 
@@ -43,19 +36,6 @@ class LossPositionsStageTest {
             return Phase2Result(1.0, 1.0, 0.0, linkedMapOf("w" to grad(fed.size - 1)))
         }
         companion object { fun grad(mb: Int) = if (mb == 0) floatArrayOf(2f, -2f) else floatArrayOf(-3f, 0.5f) }
-    }
-
-    private class HostCapture {
-        private val buf = ByteArrayOutputStream()
-        val writer = FrameWriter(object : OutputStream() {
-            override fun write(b: Int) = synchronized(buf) { buf.write(b) }
-            override fun write(b: ByteArray, off: Int, len: Int) = synchronized(buf) { buf.write(b, off, len) }
-        })
-        fun messages(): List<Message> {
-            val r = FrameReader(ByteArrayInputStream(synchronized(buf) { buf.toByteArray() }), Frames.DEFAULT_MAX_FRAME)
-            val out = mutableListOf<Message>()
-            while (true) out += try { r.read() } catch (_: ConnectionClosedException) { return out }
-        }
     }
 
     private fun waitFor(what: String, cond: () -> Boolean) {

@@ -13,19 +13,13 @@ import org.zerolock.core.device.StageAssignment
 import org.zerolock.core.device.StageListener
 import org.zerolock.core.device.StageRuntime
 import org.zerolock.core.device.StatsProvider
-import org.zerolock.core.protocol.ConnectionClosedException
-import org.zerolock.core.protocol.FrameReader
-import org.zerolock.core.protocol.FrameWriter
 import org.zerolock.core.protocol.Frames
 import org.zerolock.core.protocol.Handshake
 import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.Messages
 import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.Tensor
-import java.io.ByteArrayInputStream
-import java.io.ByteArrayOutputStream
 import java.io.File
-import java.io.OutputStream
 import java.net.InetAddress
 import java.util.Collections
 
@@ -132,21 +126,6 @@ class WindowTelemetryTest {
     private fun File.readTextOrNull(): String? = try { readText() } catch (_: Exception) { null }
 
     // ---- the stage runtime: the records it sends, in order --------------------------------------
-
-    /** Everything the stage writes to the host, decoded in order. */
-    private class HostCapture {
-        private val buf = ByteArrayOutputStream()
-        val writer = FrameWriter(object : OutputStream() {
-            override fun write(b: Int) = synchronized(buf) { buf.write(b) }
-            override fun write(b: ByteArray, off: Int, len: Int) = synchronized(buf) { buf.write(b, off, len) }
-        })
-
-        fun messages(): List<Message> {
-            val r = FrameReader(ByteArrayInputStream(synchronized(buf) { buf.toByteArray() }), Frames.DEFAULT_MAX_FRAME)
-            val out = mutableListOf<Message>()
-            while (true) out += try { r.read() } catch (_: ConnectionClosedException) { return out }
-        }
-    }
 
     /** Scripted readings: PSS = 1000 + n-th sample; peak RSS from [peaks] in call order. */
     private class ScriptedStats(private val peaks: List<Long?>) : StatsProvider {
