@@ -5,7 +5,8 @@ forward(x, attention_mask, position_ids, loss_index, loss_target, loss_weight, a
   loss_index/target/weight [N]: flat (b*S+i) positions of Omega, their targets, 1/0 weights
   alpha [1]: the task/consistency blend (an input, so a run can override the export default)
 returns (loss, task_loss, consis_loss, h_k) with h_k detached.
-The readout (frozen final norm + lm_head) runs only on the N gathered rows."""
+The readout (frozen final norm + lm_head; a calibrated lens instead of the norm where the export
+fitted one, exporter/readout_lens.py) runs only on the N gathered rows."""
 from __future__ import annotations
 
 import re
@@ -13,7 +14,7 @@ import re
 import torch
 import torch.nn as nn
 
-from . import readout_loss
+from . import readout_lens, readout_loss
 from .config import ExportConfig
 from .marker import pipeline_marker
 
@@ -63,9 +64,14 @@ def _frozen_list(tensors) -> nn.ParameterList:
 
 
 class ChunkModel(nn.Module):
-    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, layer_offset: int = 0):
+    def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, layer_offset: int = 0,
+                 lenses: dict | None = None, num_layers: int | None = None):
         """`layer_offset`: the global index of peft_model's first layer (0 for the whole model; the
-        eager runtime builds a model holding only layers first..last, so it passes `first`)."""
+        eager runtime builds a model holding only layers first..last, so it passes `first`).
+        `lenses`: {after_layer: (A, b)} (exporter/readout_lens.py): the chunk reads its h out
+        through the lens after its last layer and p_{k-1} through the one before its first, where
+        given; the final norm otherwise (always for the model's last layer, whose state the norm
+        reads). `num_layers`: the whole model's (default: peft_model's)."""
         super().__init__()
         base = peft_model.base_model.model  # LlamaForCausalLM with LoRA layers injected
         self.first, self.last = first, last
@@ -88,6 +94,10 @@ class ChunkModel(nn.Module):
         self.tied_embedding = self.is_first and bool(getattr(base.config, "tie_word_embeddings", False))
         if self.tied_embedding:
             self.embed = None
+        n_layers = num_layers or base.config.num_hidden_layers
+        lenses = lenses or {}
+        self.lens_out = _frozen_list(lenses[last]) if last in lenses and last != n_layers - 1 else None
+        self.lens_in = _frozen_list(lenses[first - 1]) if first - 1 in lenses else None
         S = cfg.seq_len
         self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)
 
@@ -137,14 +147,28 @@ class ChunkModel(nn.Module):
         """alpha * CE + (1 - alpha) * KL(p_k || stopgrad p_{k-1}) over the valid rows; p_{k-1} is
         recomputed here from h_{k-1}. The readout's gradient is written out (readout_loss)."""
         d = h.shape[-1]
-        u = self.norm(h.reshape(-1, d).index_select(0, loss_index))  # [N, d]
+        u = self.read(h.reshape(-1, d).index_select(0, loss_index), self.lens_out)  # [N, d]
         a = alpha.reshape(())
         with torch.no_grad():
-            u_prev = self.norm(h_in.reshape(-1, d).index_select(0, loss_index))
+            u_prev = self.read(h_in.reshape(-1, d).index_select(0, loss_index), self.lens_in)
             task, consis, grad_u = readout_loss.loss_and_grad(u, u_prev, loss_target, loss_weight, a,
                                                               self.readout_blocks())
         loss = readout_loss.with_gradient(a * task + (1.0 - a) * consis, u, grad_u)
         return loss, task, consis
+
+    def lens_tensors(self) -> dict:
+        """The chunk's lenses under readout_lens.to_tensors names (what the eager weights file keeps)."""
+        out = {}
+        for after, lens in ((self.last, self.lens_out), (self.first - 1, self.lens_in)):
+            if lens is not None:
+                out.update(readout_lens.to_tensors({after: (lens[0].detach(), lens[1].detach())}))
+        return out
+
+    def read(self, h, lens):
+        """What the frozen lm_head reads of h: the final norm, or a lens (readout_lens.py)."""
+        if lens is None:
+            return self.norm(h)
+        return readout_lens.apply(h, lens[0], lens[1], self.norm.variance_epsilon)
 
     def forward(self, x, attention_mask, position_ids, loss_index, loss_target, loss_weight, alpha):
         h_in = self.embed_ids(x) if self.is_first else x

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from .chunk_spec import DEFAULT_CHUNKS
-from .config import BASE_WEIGHTS, ExportConfig
+from .config import BASE_WEIGHTS, READOUTS, ExportConfig
 from .errors import ExportError
 
 
@@ -43,8 +43,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-weights", action="store_true",
                    help="also write each chunk's frozen weights as chunk_k_weights.safetensors, for phones that run "
                         "the chunk in eager PyTorch instead of ExecuTorch (zl-phone --backend eager)")
+    p.add_argument("--readout", choices=READOUTS + ("auto",), default="auto",
+                   help="what the frozen lm_head reads each chunk's h through: static (the final norm, the seed's "
+                        "option (a)), lens (a linear lens per chunk boundary fitted to the final layer on "
+                        "--calibration-data: a real model's early layers are not readable by its final norm), or "
+                        "auto (default: lens for a pretrained model, static for the random tiny one)")
+    p.add_argument("--calibration-data", default=None,
+                   help="text the lens is fitted on, as zl-host run --data takes (CSV, JSONL, wordnet); default "
+                        "wordnet for a pretrained model, the synthetic set for --model tiny")
     p.add_argument("--verify", action="store_true", help="run every program in ExecuTorch and compare with eager PyTorch")
     return p
+
+
+def readout_from_args(a) -> tuple[str, str | None]:
+    """(readout, calibration data spec) with the defaults that depend on the model."""
+    tiny = a.model == "tiny"
+    readout = a.readout if a.readout != "auto" else ("static" if tiny else "lens")
+    calibration = a.calibration_data or (None if tiny else "wordnet")
+    return readout, calibration
 
 
 def config_from_args(a) -> ExportConfig:
@@ -62,7 +78,8 @@ def config_from_args(a) -> ExportConfig:
     return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, target_modules=targets,
                         alpha=a.alpha, seq_len=a.seq_len, micro_batch=a.micro_batch,
                         loss_positions=a.loss_positions, backend=a.backend, seed=a.seed,
-                        xnnpack_ops=a.xnnpack_ops, base_weights=a.base_weights)
+                        xnnpack_ops=a.xnnpack_ops, base_weights=a.base_weights,
+                        readout=readout_from_args(a)[0])
 
 
 def main(argv=None) -> int:
@@ -99,7 +116,8 @@ def main(argv=None) -> int:
                                                  for row in rows]}
 
         manifest, artifacts = export_model(args.model, chunks_from_arg(args.chunks), args.out, cfg, progress=progress, modes=modes,
-                                           eager_weights=args.eager_weights, verify=verify if args.verify else None)
+                                           eager_weights=args.eager_weights, verify=verify if args.verify else None,
+                                           calibration=readout_from_args(args)[1])
         sizes = {f["path"]: f["size"] for f in manifest["files"]}
         for c in manifest["chunks"]:
             for p in ([c] if "program" in c else []) + ([c["bp"]] if "bp" in c else []):

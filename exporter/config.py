@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 BASE_WEIGHTS = ("fp32", "int8")  # how the frozen base weights are stored (exporter/base_weights.py)
+READOUTS = ("static", "lens")  # what the frozen lm_head reads a chunk's h through (exporter/readout_lens.py)
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,9 @@ class ExportConfig:
     # How the frozen base weights are stored: "fp32", or "int8" rows with per-row scales
     # (a quarter of the weight memory; see exporter/base_weights.py)
     base_weights: str = "fp32"
+    # "static": the final norm on every chunk's h (the seed's option (a)); "lens": a calibrated
+    # lens per chunk boundary, fitted at export time on calibration text (readout_lens.py)
+    readout: str = "static"
     extra: dict = field(default_factory=dict)
 
     @property

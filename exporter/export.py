@@ -26,7 +26,7 @@ from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora,
                           bp_input_names, example_inputs, input_names, peft_name)
 from .chunk_spec import parse_chunk_spec
 from .config import ExportConfig
-from .errors import OutputDirError, VerifyError
+from .errors import ExportError, OutputDirError, VerifyError
 from .lower import joint_program, lower_two_phase
 from .lowering_cache import PreprocessCache
 from .training_metadata import training_constant_methods
@@ -121,12 +121,15 @@ def commit_out_dir(tmp: Path, out: Path) -> None:
 
 def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig, progress=None,
                  model=None, modes=("zerolock",), eager_weights: bool = False,
-                 verify=None) -> tuple[dict, list[ChunkArtifacts]]:
+                 verify=None, calibration: str | None = None,
+                 lenses: dict | None = None) -> tuple[dict, list[ChunkArtifacts]]:
     """Run the whole export. `model` may be given directly (tests); otherwise `model_arg` is
     'tiny', 'smollm2', a GGUF file of a Llama or a HF Llama directory. `modes`: which programs to
     write, any of "zerolock", "bp". `eager_weights`: also write each chunk's frozen weights as
     chunk_k_weights.safetensors, for phones that run the chunk in eager PyTorch (zl-phone
-    --backend eager). `verify(dir, manifest, artifacts)`: checks the finished export before it is
+    --backend eager). `cfg.readout == "lens"`: the lenses are fitted on `calibration` (a data spec as
+    zl-host run --data takes; None: the synthetic set) through the export's tokenizer, unless
+    `lenses` ({after_layer: (A, b)}) are given. `verify(dir, manifest, artifacts)`: checks the finished export before it is
     put in place (exporter/verify.py); if it raises VerifyError, `out` is left as it was and the
     export moves to `out`.failed-verify, without manifest.json (manifest.failed-verify.json), so
     nothing loads it as a good one. Returns (manifest, per-chunk artifacts)."""
@@ -173,6 +176,11 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         elif gguf_file is not None:  # the vocabulary and merges the file carries, as tokenizer.json
             load_gguf_tokenizer(gguf_file).save_pretrained(tmp / "tokenizer")
 
+        lens_info = None
+        if cfg.readout == "lens":
+            lenses, lens_info = _readout_lenses(model, ranges, cfg, tmp, calibration, lenses, say)
+        else:
+            lenses = None
         if cfg.base_weights != "fp32":
             say(f"storing the frozen base weights as {cfg.base_weights}")
         quantize_base(model, cfg.base_weights)
@@ -184,7 +192,7 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             entry = {"index": k, "layers": [first, last]}
             if "zerolock" in modes:
                 say(f"chunk {k}: layers {first}-{last}: tracing")
-                chunk = ChunkModel(peft_model, first, last, cfg).eval()
+                chunk = ChunkModel(peft_model, first, last, cfg, lenses=lenses).eval()
                 entry.update(_export_chunk(k, chunk, cfg, hf_cfg, tmp, say))
             if "bp" in modes:
                 say(f"chunk {k}: layers {first}-{last}: tracing the BP stage")
@@ -193,7 +201,8 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             entry.update(_write_lora_init(k, chunk or bp_chunk, tmp))
             if eager_weights:
                 say(f"chunk {k}: writing the frozen weights for the eager backend")
-                entry["eager_weights"] = _write_eager_weights(k, peft_model.base_model.model, first, last, tmp)
+                entry["eager_weights"] = _write_eager_weights(k, peft_model.base_model.model, first, last, tmp,
+                                                              chunk.lens_tensors() if chunk else {})
             entry["export_seconds"] = round(time.time() - t0, 2)
             results.append(ChunkArtifacts(k, first, last, chunk, entry, bp_chunk))
             say(f"chunk {k}: done in {time.time() - t0:.1f} s")
@@ -207,6 +216,7 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
                      "init": {"lora_A": "kaiming_uniform(a=sqrt(5)) (peft default)", "lora_B": "zeros",
                               "seed": cfg.seed}},
             "chunks": [r.entry for r in results],
+            **({"readout_lens": lens_info} if lens_info else {}),
             "versions": versions(),
             "files": [file_entry(tmp, p) for p in sorted(tmp.rglob("*")) if p.is_file()],
         }
@@ -298,10 +308,11 @@ def _write_lora_init(k: int, chunk: ChunkModel, tmp: Path) -> dict:
 EAGER_WEIGHTS_FORMAT = "zerolock-eager-weights"
 
 
-def _write_eager_weights(k: int, base, first: int, last: int, tmp: Path) -> str:
+def _write_eager_weights(k: int, base, first: int, last: int, tmp: Path, lens: dict) -> str:
     """chunk_k_weights.safetensors: the chunk's frozen weights under the Hugging Face model's own
     names (model.layers.first..last, the readout model.norm + lm_head, and model.embed_tokens for
-    chunk 0), for the eager PyTorch backend, which cannot read ExecuTorch's .ptd."""
+    chunk 0) and its readout lenses (`lens`, readout_lens.to_tensors names), for the eager
+    PyTorch backend, which cannot read ExecuTorch's .ptd."""
     keep = tuple(f"model.layers.{i}." for i in range(first, last + 1)) + ("model.norm.", "lm_head.")
     if first == 0:
         keep += ("model.embed_tokens.",)
@@ -312,9 +323,62 @@ def _write_eager_weights(k: int, base, first: int, last: int, tmp: Path) -> str:
         name = name.replace(".base_layer.", ".")  # peft's wrapper around a LoRA-targeted Linear
         if name.startswith(keep):
             tensors[name] = t.detach().contiguous().clone()  # clone: tied embeddings share storage
+    tensors.update(lens)
     path = tmp / f"chunk_{k}_weights.safetensors"
     save_file(tensors, str(path), metadata={"format": EAGER_WEIGHTS_FORMAT, "layers": f"{first}-{last}"})
     return path.name
+
+
+CALIBRATION_EXAMPLES = 256  # enough for the lens's d x d solve (SmolLM2: ~5,500 positions, ~20 s)
+
+
+def _readout_lenses(model, ranges, cfg: ExportConfig, tmp: Path, calibration, lenses, say):
+    """Fit (or take) the lenses at every chunk boundary but the model's last, write them to
+    readout_lens.safetensors; returns (lenses, the manifest's record of them)."""
+    from . import readout_lens
+
+    after = [readout_lens.EMBEDDING] + [last for _, last in ranges[:-1]]
+    record = {"file": readout_lens.FILE, "after_layers": after}
+    if lenses is None:
+        batches = _calibration_batches(tmp / "tokenizer", calibration, cfg)
+        say(f"readout lens: fitting {len(after)} lenses on {calibration or 'the synthetic set'}")
+        t0 = time.time()
+
+        def progress(done, total):  # a forward of the whole model per batch: tens of seconds in all
+            if done == total or done % max(1, total // 4) == 0:
+                say(f"readout lens: {done}/{total} calibration batches ({time.time() - t0:.0f} s)")
+
+        lenses, positions = readout_lens.fit_model_lenses(model, batches, after, progress=progress)
+        record.update(calibration=calibration or "synthetic", positions=positions,
+                      ridge=readout_lens.DEFAULT_RIDGE)
+    else:
+        record["calibration"] = "given"
+    missing = [i for i in after if i not in lenses]
+    if missing:
+        raise ExportError(f"no readout lens after layer {missing[0]}: the lenses must cover every chunk boundary")
+    save_file(readout_lens.to_tensors({i: lenses[i] for i in after}), str(tmp / readout_lens.FILE))
+    return lenses, record
+
+
+def _calibration_batches(tok_dir: Path, calibration, cfg: ExportConfig) -> list:
+    from transformers import AutoTokenizer
+
+    from host.data import DataError, encode_examples, load_examples, make_microbatches
+
+    if not tok_dir.is_dir():
+        raise ExportError("--readout lens needs the model's tokenizer to read calibration text; "
+                          "export from a model directory with tokenizer files, or use --readout static")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    try:
+        examples = list(load_examples(calibration))[:CALIBRATION_EXAMPLES]
+        encoded = encode_examples(examples, tok, cfg.seq_len)
+    except DataError as e:
+        raise ExportError(f"--calibration-data: {e}") from None
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    batches = make_microbatches(encoded, 8, cfg.seq_len, pad, drop_last=False)
+    if not batches:
+        raise ExportError(f"--calibration-data {calibration} gave no text to fit the readout lens on")
+    return batches
 
 
 def _export_chunk(k: int, chunk: ChunkModel, cfg: ExportConfig, hf_cfg, tmp: Path, say) -> dict:

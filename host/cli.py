@@ -12,6 +12,7 @@ from pathlib import Path
 from rich.console import Console
 
 console = Console(stderr=True, soft_wrap=True)
+HELD_OUT = 0.2  # zl-host run's default share of the data kept out of training (the last micro-batches)
 
 
 from .cli_error import CliError  # noqa: E402,F401  (one class, wherever a command raises it)
@@ -175,12 +176,14 @@ def cmd_run(a) -> int:
         run_dir = Path(a.resume)
         saved = _load_resume(run_dir)
         program, data, devices_spec = Path(saved["program"]), saved["data"], saved["devices"]
+        held_out_fraction = saved.get("held_out", HELD_OUT)
         settings = RunSettings(**saved["settings"])
         run_id = saved["run_id"]
     else:
         if not a.program:
             raise CliError("--program DIR is required (the output of zl-export)")
         program, data, devices_spec = Path(a.program), a.data, a.devices
+        held_out_fraction = a.held_out
         if devices_spec.startswith("emulated:"):
             emulated_count(devices_spec)  # before anything is loaded
         run_dir = Path(a.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
@@ -192,7 +195,7 @@ def cmd_run(a) -> int:
         raise CliError(str(e)) from None
     mbs = prepare_data(program, manifest, data)
     from .evaluate import split_held_out
-    train, held_out = split_held_out(mbs)
+    train, held_out = split_held_out(mbs, held_out_fraction)
     if settings is None:
         windows = a.steps
         if a.micro_batches:
@@ -295,7 +298,8 @@ def cmd_run(a) -> int:
         co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=on_event,
                          link_tokens=saved.get("link_tokens") if a.resume else None, links=links,
                          keep_order=plan is not None)
-        record = {"program": str(program.absolute()), "data": data, "devices": devices_spec, "run_id": run_id,
+        record = {"program": str(program.absolute()), "data": data, "held_out": held_out_fraction,
+                  "devices": devices_spec, "run_id": run_id,
                   "settings": settings.to_json(), "link_tokens": co.link_tokens, "link": asdict(emulated_links),
                   **({"plan": str(Path(plan_path).absolute())} if plan is not None else {}),
                   "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
@@ -388,6 +392,13 @@ def _positive(text: str) -> float:
     return v
 
 
+def _fraction(text: str) -> float:
+    v = float(text)
+    if not 0 <= v < 1:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
+    return v
+
+
 def _non_negative(text: str) -> float:
     v = float(text)
     if v < 0:
@@ -418,6 +429,9 @@ def build_parser():
     r.add_argument("--epochs", type=float, default=None, help="instead of --steps: passes over the training data")
     r.add_argument("--micro-batches", type=int, default=None, help="instead of --steps: total micro-batches")
     r.add_argument("--window", type=int, default=4, help="micro-batches per update window")
+    r.add_argument("--held-out", type=_fraction, default=HELD_OUT,
+                   help="fraction of the micro-batches kept out of training, the last ones (default %(default)s; "
+                        "0: train on all, for data split beforehand)")
     r.add_argument("--inflight", type=int, default=2, help="hidden states in flight between neighbours")
     r.add_argument("--replay-horizon", type=int, default=None,
                    help="most hidden states a stage holds for its downstream's replay; when full it waits for the "

@@ -41,6 +41,9 @@ def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict]
 
 
 def split_held_out(micro_batches: list, fraction: float = 0.2) -> tuple[list, list]:
+    """(train, held out): the last `fraction` of the micro-batches (at least one) held out; 0: none."""
+    if fraction == 0:
+        return micro_batches, []
     n = max(1, int(len(micro_batches) * fraction))
     return micro_batches[:-n] or micro_batches, micro_batches[-n:]
 

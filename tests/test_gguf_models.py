@@ -85,7 +85,13 @@ def test_export_from_gguf_records_the_base_and_reads_tied_embeddings_once(gguf_e
     assert not [k for k in c0 if "embed" in k]
     blocks = [b for k, (_, b) in c0.items() if k.startswith("lm_head_blocks.")]
     assert sum(map(len, blocks)) == model.config.vocab_size * model.config.hidden_size * 4
-    assert sum(len(b) for _, b in c0.values()) == sum(len(b) for _, b in c1.values())
+    # (less the readout: chunk 0 reads both its h and the embedding through lenses, the last chunk its h
+    # through the model's own norm and the h before it through a lens)
+    assert sorted(k for k in c0 if k.startswith("lens_")) == ["lens_in.0", "lens_in.1", "lens_out.0", "lens_out.1"]
+    assert sorted(k for k in c1 if k.startswith("lens_")) == ["lens_in.0", "lens_in.1"]
+    assert "norm.weight" in c1 and "norm.weight" not in c0
+    size = lambda c: sum(len(b) for k, (_, b) in c.items() if not k.startswith(("lens_", "norm.")))  # noqa: E731
+    assert size(c0) == size(c1)
 
 
 def test_cli_output_is_the_projects_own(gguf_export):
@@ -129,8 +135,9 @@ def test_smollm2_not_installed_names_the_pip_command(monkeypatch, tmp_path, caps
 
 
 # ------------------------------------------------------------------------------------ --verify
-def _eager_chunk(gguf_path, manifest, k):
-    """The export's chunk k rebuilt in eager PyTorch from the same GGUF (LoRA init is seeded)."""
+def _eager_chunk(gguf_path, out, manifest, k):
+    """The export's chunk k rebuilt in eager PyTorch from the same GGUF (LoRA init is seeded) and
+    the export's readout lenses."""
     from exporter.chunk_model import ChunkModel, add_lora
     from exporter.config import ExportConfig
     from exporter.export import ChunkArtifacts
@@ -143,7 +150,13 @@ def _eager_chunk(gguf_path, manifest, k):
     peft_model = add_lora(load_base_model(gguf_path), cfg)
     entry = manifest["chunks"][k]
     first, last = entry["layers"]
-    chunk = ChunkModel(peft_model, first, last, cfg).eval()
+    lenses = None
+    if "readout_lens" in manifest:  # the export read its chunks through lenses: so must the reference
+        from safetensors.torch import load_file
+
+        from exporter.readout_lens import from_tensors
+        lenses = from_tensors(load_file(str(out / manifest["readout_lens"]["file"])))
+    chunk = ChunkModel(peft_model, first, last, cfg, lenses=lenses).eval()
     return ChunkArtifacts(k, first, last, chunk, entry), cfg
 
 
@@ -159,7 +172,7 @@ def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_e
     out, _ = gguf_export
     path, model = gguf_llama
     m = load_manifest(out)
-    art, cfg = _eager_chunk(path, m, 1)
+    art, cfg = _eager_chunk(path, out, m, 1)
     inputs = list(example_inputs(art.chunk, cfg, model.config.vocab_size, model.config.hidden_size, seed=5))
     inputs[0][:, 0, 7] += 26_000.0  # a massive activation at the first token, in one channel
     inputs = tuple(inputs)

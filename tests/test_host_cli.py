@@ -215,6 +215,19 @@ def test_emulated_phones_on_shaped_links(small_export, data_file, tmp_path, caps
     assert json.loads((run / "summary.json").read_text())["micro_batches"] == 4
 
 
+def test_held_out_zero_trains_on_every_micro_batch(small_export, data_file, tmp_path, capsys):
+    """--held-out 0 (data split beforehand): an epoch is all 20 micro-batches of the 40 rows, not
+    the 16 the default 0.2 leaves; the run records it for --resume."""
+    run = tmp_path / "run"
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
+                 "--epochs", "1", "--window", "2", "--held-out", "0", "--out", str(run)]) == 0
+    assert json.loads((run / "summary.json").read_text())["micro_batches"] == 20
+    assert json.loads((run / "run.json").read_text())["held_out"] == 0
+    with pytest.raises(SystemExit):
+        main(["run", "--program", str(small_export[0]), "--devices", "emulated:3", "--held-out", "1"])
+    assert "--held-out: must be in [0, 1), got 1" in capsys.readouterr().err
+
+
 def test_link_options_need_emulated_phones(small_export, data_file, tmp_path, capsys):
     assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "auto",
                  "--link-mbit", "50", "--out", str(tmp_path / "r")]) == 2

@@ -88,6 +88,7 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
 
     from exporter.base_weights import quantize_base
     from exporter.chunk_model import BPChunkModel, ChunkModel, lora_config
+    from exporter.readout_lens import from_tensors
 
     conf = LlamaConfig(**hf_config)
     conf.num_hidden_layers = last - first + 1
@@ -95,8 +96,12 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
     with torch.device("meta"):  # no memory and no random init for weights that are loaded next
         base = LlamaForCausalLM(conf)
         quantize_base(base, cfg.base_weights)  # the modules the export's weights were stored for
+    stored = load_file(str(weights))
+    lenses = from_tensors(stored)  # the readout lenses, if the export fitted them
     tensors = {}
-    for name, t in load_file(str(weights)).items():
+    for name, t in stored.items():
+        if name.startswith("readout_lens."):
+            continue
         m = _LAYER.match(name)
         if m:  # the file keeps the full model's layer numbers
             name = f"model.layers.{int(m.group(1)) - first}.{m.group(2)}"
@@ -107,7 +112,8 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
         p.requires_grad_(False)
     peft_model = get_peft_model(base, lora_config(cfg))
     if bp_last is None:
-        chunk = ChunkModel(peft_model, first, last, cfg, layer_offset=first)
+        chunk = ChunkModel(peft_model, first, last, cfg, layer_offset=first, lenses=lenses,
+                           num_layers=hf_config["num_hidden_layers"])
     else:
         chunk = BPChunkModel(peft_model, first, last, cfg, is_last=bp_last, layer_offset=first)
     missing = [n for n, t in [*chunk.named_parameters(), *chunk.named_buffers()] if t.is_meta]
