@@ -381,6 +381,19 @@ def cmd_eval(a) -> int:
     print(f"held-out answer tokens: {after['tokens']} (base weights {base_weights}, as trained)")
     print(f"base model:    NLL {before['nll']:.4f}  accuracy {before['accuracy']:.3f}")
     print(f"with adapter:  NLL {after['nll']:.4f}  accuracy {after['accuracy']:.3f}")
+    if a.show:
+        from rich.table import Table
+        from transformers import AutoTokenizer
+
+        from .answers import side_by_side
+
+        tok = AutoTokenizer.from_pretrained(program / "tokenizer")
+        table = Table(title=f"{a.show} held-out prompts: the base model's answer and the adapter's (greedy)")
+        for col in ("prompt", "expected", "base model", "with adapter"):
+            table.add_column(col, overflow="fold")
+        for r in side_by_side(base, adapter, held_out, tok, a.show, base_weights):
+            table.add_row(r["prompt"], r["expected"], r["base"], r["adapter"])
+        Console(soft_wrap=False).print(table)
     return 0
 
 
@@ -476,6 +489,8 @@ def build_parser():
     v.add_argument("--program", required=True)
     v.add_argument("--adapter", required=True)
     v.add_argument("--data", default=None)
+    v.add_argument("--show", type=int, default=0, metavar="N",
+                   help="also print N held-out prompts with the base model's and the adapter's answers")
     v.set_defaults(func=cmd_eval)
     return p
 

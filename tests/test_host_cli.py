@@ -77,6 +77,29 @@ def test_eval_runs_on_the_adapter(e2e, data_file, capsys):
     assert "with adapter:  NLL" in text and "base model:" in text
 
 
+def test_eval_shows_prompts_with_both_answers(e2e, data_file, capsys):
+    """--show N: N held-out rows, each prompt (up to 'topic :') with its expected answer."""
+    from transformers import AutoTokenizer
+
+    from host.answers import prompts_and_answers
+    from host.cli import prepare_data
+    from host.evaluate import split_held_out
+    from exporter.manifest import load_manifest
+
+    out, run, rc, _ = e2e
+    _, held_out = split_held_out(prepare_data(out, load_manifest(out), str(data_file), training=False))
+    tok = AutoTokenizer.from_pretrained(out / "tokenizer")
+    rows = prompts_and_answers(held_out, 2)
+    assert len(rows) == 2
+    want = [(tok.decode(p, skip_special_tokens=True).strip(), tok.decode(e, skip_special_tokens=True).strip()) for p, e in rows]
+    assert all(p.endswith("topic :") and e and " " not in e for p, e in want), want
+    capsys.readouterr()
+    assert main(["eval", "--program", str(out), "--adapter", str(run / "adapter"), "--data", str(data_file),
+                 "--show", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "2 held-out prompts" in text and all(e in text for _, e in want)
+
+
 def test_devices_lists_the_phones(e2e):
     listing = e2e[3]
     for name, endpoint in listing.pop("expected").items():
