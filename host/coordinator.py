@@ -153,8 +153,8 @@ class Coordinator:
                 "busy_ms": int(s.compute_timeout * 1000)}
         if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
             conf["keep_checkpoints"] = self.horizon // s.window_size + 3
-        if s.alpha is not None:
-            conf["alpha"] = s.alpha
+        if s.alpha_for(st.k) is not None:
+            conf["alpha"] = s.alpha_for(st.k)
         mine = [{"window": f.get("window"), "point": f.get("point", "after-phase1"),
                  **{k: f[k] for k in ("seconds", "mode", "detect") if k in f}}
                 for f in (s.inject_failure or []) if f.get("stage") == st.k]

@@ -16,7 +16,7 @@ class RunSettings:
     replay_horizon: int | None = None  # most hidden states an upstream holds for replay (default: default_horizon)
     lr: float = 2e-3
     weight_decay: float = 0.0
-    alpha: float | None = None    # override of the export's alpha
+    alpha: float | list | None = None  # override of the export's alpha: one for every stage, or one per stage
     heartbeat_timeout: float = 5.0
     compute_timeout: float = 600.0  # a single runtime call (phase 1 or 2) may keep a stage silent this long
     rejoin_timeout: float = 60.0  # how long to wait for a failed real phone to come back
@@ -25,6 +25,14 @@ class RunSettings:
     schedule: str = "zerolock"    # or a BP baseline: gpipe, 1f1b, pipedream
     max_seconds: float | None = None  # give up (with a clear error) if the run takes longer
     stall_timeout: float | None = None  # no stage progressed this long: stop, saying where each stands (default 3x compute_timeout)
+
+    def alpha_for(self, stage: int) -> float | None:
+        return self.alpha[stage] if isinstance(self.alpha, list) else self.alpha
+
+    def checked_alpha(self, num_stages: int) -> None:
+        if isinstance(self.alpha, list) and len(self.alpha) != num_stages:
+            raise PlanError(f"--alpha gives {len(self.alpha)} values for {num_stages} stages; give one for every "
+                            f"stage, or one per stage")
 
     @property
     def horizon(self) -> int:

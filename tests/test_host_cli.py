@@ -251,6 +251,28 @@ def test_held_out_zero_trains_on_every_micro_batch(small_export, data_file, tmp_
     assert "--held-out: must be in [0, 1), got 1" in capsys.readouterr().err
 
 
+def test_alpha_per_stage_reaches_each_stage(small_export, data_file, tmp_path, capsys):
+    """--alpha 0,0.5,1: stage k's local loss is alpha_k * task + (1 - alpha_k) * consistency, each
+    micro-batch (stage 0: pure KL, stage 2: pure CE); a list of the wrong length is refused."""
+    run = tmp_path / "run"
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
+                 "--steps", "1", "--window", "2", "--alpha", "0,0.5,1", "--out", str(run)]) == 0
+    recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    tel = [r for r in recs if r.get("type") == "TELEMETRY" and r.get("kind") == "micro_batch"]
+    assert {r["stage"] for r in tel} == {0, 1, 2}
+    for r in tel:
+        a = (0.0, 0.5, 1.0)[r["stage"]]
+        assert r["loss"] == pytest.approx(a * r["task_loss"] + (1 - a) * r["consis_loss"], rel=1e-4), r
+        assert abs(r["task_loss"] - r["consis_loss"]) > 1e-3  # the two terms differ: the blend is seen
+    assert json.loads((run / "run.json").read_text())["settings"]["alpha"] == [0.0, 0.5, 1.0]
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
+                 "--alpha", "0.5,1", "--out", str(tmp_path / "r2")]) == 2
+    assert "--alpha gives 2 values for 3 stages" in _error_line(capsys)
+    with pytest.raises(SystemExit):
+        main(["run", "--program", str(small_export[0]), "--alpha", "0.5,1.5"])
+    assert "1.5 is outside [0, 1]" in capsys.readouterr().err
+
+
 def test_link_options_need_emulated_phones(small_export, data_file, tmp_path, capsys):
     assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "auto",
                  "--link-mbit", "50", "--out", str(tmp_path / "r")]) == 2
