@@ -574,6 +574,12 @@ def notes(res) -> list[str]:
             d = s[zl5]["answer_nll"]["mean"] - s[zl1]["answer_nll"]["mean"]
             out.append(f"- Target 'alpha=0.5 ahead of alpha=1 on NLL', {readout} readout: {d:+.3f} nats "
                        f"({'met' if d < 0 else 'missed'}).")
+    for m in ("zl-rising-lens", "zl-last1-lens"):
+        if "bp" in s and m in s:
+            alphas = " / ".join(f"{x:g}" for x in ALPHAS[m])
+            out.append(f"- Per-chunk alpha {alphas} with the lens ({m}) against BP: "
+                       f"{100 * (s[m]['choice_accuracy']['mean'] - s['bp']['choice_accuracy']['mean']):+.1f} points, "
+                       f"answer NLL {s[m]['answer_nll']['mean'] - s['bp']['answer_nll']['mean']:+.3f} nats.")
     fl = {r["method"]: r["first_step_losses"] for r in res["runs"]
           if r.get("first_step_losses") and r["split"] == "test" and r["seed"] == 0}
     if "zl0.5" in fl and "zl0.5-lens" in fl:
