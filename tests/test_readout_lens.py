@@ -126,3 +126,16 @@ def test_lens_reads_closer_to_the_final_layer_than_the_norm(lens_export, small_m
                 kl = {name: F.kl_div(F.log_softmax(model.lm_head(u), -1), final, log_target=True, reduction="batchmean")
                       for name, u in (("norm", model.model.norm(h)), ("lens", readout_lens.apply(h, *lenses[after], eps)))}
                 assert kl["lens"] < kl["norm"], (after, kl)
+
+
+def test_missing_calibration_data_is_one_line_and_leaves_nothing(small_model_dir, tmp_path):
+    from exporter.errors import ExportError
+    from exporter.export import export_model
+
+    out = tmp_path / "out"
+    with pytest.raises(ExportError) as e:
+        export_model(str(small_model_dir), SMALL_CHUNKS, out, small_export_config(readout="lens"),
+                     calibration=str(tmp_path / "missing.jsonl"))
+    msg = str(e.value)
+    assert msg.startswith("--calibration-data: data file not found") and "\n" not in msg
+    assert not out.exists() and not list(tmp_path.glob("out*"))
