@@ -52,7 +52,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="text the lens is fitted on, as zl-host run --data takes (CSV, JSONL, wordnet); default "
                         "wordnet for a pretrained model, the synthetic set for --model tiny")
     p.add_argument("--verify", action="store_true", help="run every program in ExecuTorch and compare with eager PyTorch")
+    p.add_argument("--jobs", default="auto",
+                   help="chunks exported at once, each in a worker process: a number, or auto (default: one per "
+                        "core, as memory allows); 1 exports one chunk after another in this process")
     return p
+
+
+def jobs_from_arg(text: str) -> int | None:
+    if text == "auto":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ExportError(f"--jobs {text!r} is not a positive number: give e.g. --jobs 2, or --jobs auto")
+    return int(text)
 
 
 def readout_from_args(a) -> tuple[str, str | None]:
@@ -117,7 +128,7 @@ def main(argv=None) -> int:
 
         manifest, artifacts = export_model(args.model, chunks_from_arg(args.chunks), args.out, cfg, progress=progress, modes=modes,
                                            eager_weights=args.eager_weights, verify=verify if args.verify else None,
-                                           calibration=readout_from_args(args)[1])
+                                           calibration=readout_from_args(args)[1], jobs=jobs_from_arg(args.jobs))
         sizes = {f["path"]: f["size"] for f in manifest["files"]}
         for c in manifest["chunks"]:
             for p in ([c] if "program" in c else []) + ([c["bp"]] if "bp" in c else []):

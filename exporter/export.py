@@ -24,6 +24,7 @@ from . import __version__
 from .base_weights import quantize_base
 from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora, bp_example_inputs,
                           bp_input_names, example_inputs, input_names, peft_name)
+from .chunk_jobs import default_jobs, run_chunk_jobs
 from .chunk_spec import parse_chunk_spec
 from .config import ExportConfig
 from .errors import ExportError, OutputDirError, VerifyError
@@ -122,7 +123,7 @@ def commit_out_dir(tmp: Path, out: Path) -> None:
 def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig, progress=None,
                  model=None, modes=("zerolock",), eager_weights: bool = False,
                  verify=None, calibration: str | None = None,
-                 lenses: dict | None = None) -> tuple[dict, list[ChunkArtifacts]]:
+                 lenses: dict | None = None, jobs: int | None = None) -> tuple[dict, list[ChunkArtifacts]]:
     """Run the whole export. `model` may be given directly (tests); otherwise `model_arg` is
     'tiny', 'smollm2', a GGUF file of a Llama or a HF Llama directory. `modes`: which programs to
     write, any of "zerolock", "bp". `eager_weights`: also write each chunk's frozen weights as
@@ -132,7 +133,9 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
     `lenses` ({after_layer: (A, b)}) are given. `verify(dir, manifest, artifacts)`: checks the finished export before it is
     put in place (exporter/verify.py); if it raises VerifyError, `out` is left as it was and the
     export moves to `out`.failed-verify, without manifest.json (manifest.failed-verify.json), so
-    nothing loads it as a good one. Returns (manifest, per-chunk artifacts)."""
+    nothing loads it as a good one. `jobs`: chunks exported at once, in forked worker processes (None: one per
+    core, as memory allows; 1: one after another in this process; chunk_jobs). Returns (manifest,
+    per-chunk artifacts)."""
     say = progress or (lambda msg: None)
     if not modes or set(modes) - set(MODES):
         raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes}")
@@ -185,8 +188,8 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             say(f"storing the frozen base weights as {cfg.base_weights}")
         quantize_base(model, cfg.base_weights)
         peft_model = add_lora(model, cfg)
-        results = []
-        for k, (first, last) in enumerate(ranges):
+        def export_chunk(k: int, say) -> dict:  # in a worker process when jobs > 1 (chunk_jobs)
+            first, last = ranges[k]
             t0 = time.time()
             chunk = bp_chunk = None
             entry = {"index": k, "layers": [first, last]}
@@ -204,8 +207,21 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
                 entry["eager_weights"] = _write_eager_weights(k, peft_model.base_model.model, first, last, tmp,
                                                               chunk.lens_tensors() if chunk else {})
             entry["export_seconds"] = round(time.time() - t0, 2)
-            results.append(ChunkArtifacts(k, first, last, chunk, entry, bp_chunk))
             say(f"chunk {k}: done in {time.time() - t0:.1f} s")
+            return entry
+
+        if jobs is None:
+            jobs = default_jobs(len(ranges), _largest_chunk_bytes(peft_model, ranges))
+        if jobs > 1 and len(ranges) > 1:
+            say(f"exporting {len(ranges)} chunks, {min(jobs, len(ranges))} at a time")
+        entries = run_chunk_jobs(len(ranges), export_chunk, jobs, say)
+        # the in-memory chunks verify compares against (cheap: views of the model's modules)
+        results = [ChunkArtifacts(
+            k, first, last,
+            ChunkModel(peft_model, first, last, cfg, lenses=lenses).eval() if "zerolock" in modes else None,
+            entry,
+            BPChunkModel(peft_model, first, last, cfg, is_last=k == len(ranges) - 1).eval() if "bp" in modes else None)
+            for k, ((first, last), entry) in enumerate(zip(ranges, entries))]
 
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "modes": list(modes),
@@ -233,6 +249,13 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _largest_chunk_bytes(peft_model, ranges) -> int:
+    """Bytes of the largest chunk's frozen layer weights (what sizes a worker's memory)."""
+    layers = peft_model.base_model.model.model.layers
+    size = [sum(t.numel() * t.element_size() for t in layers[i].state_dict().values()) for i in range(len(layers))]
+    return max(sum(size[first:last + 1]) for first, last in ranges)
 
 
 def _keep_failed(tmp: Path, out: Path, manifest: dict, error: str) -> Path:

@@ -10,6 +10,7 @@ from torch.export.experimental import _export_forward_backward
 from .chunk_model import ChunkModel
 from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes
 from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
+from .partition_sort import sort_partitions_once
 from .redundant_decompositions import skip_redundant_decompositions
 from .two_phase import SplitResult, strip_markers
 
@@ -123,7 +124,7 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
-        with cached_xnnpack_preprocess(cache), skip_redundant_decompositions():
+        with cached_xnnpack_preprocess(cache), skip_redundant_decompositions(), sort_partitions_once():
             edge = to_edge_transform_and_lower(methods, partitioner=[first], compile_config=edge_cfg,
                                                constant_methods=constant_methods)
             for p in later:

@@ -40,7 +40,7 @@ def test_an_export_reuses_lowered_partitions(small_model_dir, tmp_path):
 
     cfg = small_export_config(backend="xnnpack")
     hits, misses = export._PREPROCESSED.hits, export._PREPROCESSED.misses
-    _, artifacts = export.export_model(str(small_model_dir), "0-0,1-1,2-2", tmp_path / "out", cfg)
+    _, artifacts = export.export_model(str(small_model_dir), "0-0,1-1,2-2", tmp_path / "out", cfg, jobs=1)  # in this process
     hits, misses = export._PREPROCESSED.hits - hits, export._PREPROCESSED.misses - misses
     assert hits > 1.5 * misses  # chunks 1 and 2 are chunk 0's partitions again (measured: 48 hits, 24 misses)
 
@@ -89,3 +89,48 @@ def test_redundant_decompositions_are_skipped_and_needed_ones_run():
     assert stats == {"skipped": 1, "run": 2}
     assert torch.export.ExportedProgram.run_decompositions.__name__ == "run_decompositions"
     assert functional.run_decompositions({}) is not functional  # outside the block: as torch does it
+
+
+def test_sorting_once_per_partitioning_gives_the_same_program(small_model_dir, monkeypatch):
+    """exporter/partition_sort.py defers only the regeneration of Python code: a chunk lowered
+    with it is byte for byte the one lowered without it."""
+    import contextlib
+
+    from exporter import lower
+    from exporter.chunk_model import ChunkModel, add_lora, example_inputs, input_names
+    from exporter.model_source import load_model_dir
+    from exporter.two_phase import split_at_marker
+
+    from .conftest import small_export_config
+
+    cfg = small_export_config(backend="xnnpack")
+    model = load_model_dir(small_model_dir)
+    chunk = ChunkModel(add_lora(model, cfg), 0, 1, cfg).eval()
+    inputs = example_inputs(chunk, cfg, model.config.vocab_size, model.config.hidden_size)
+
+    def lowered() -> bytes:
+        split = split_at_marker(lower.joint_program(chunk, inputs), input_names(True))
+        return lower.lower_two_phase(split, "xnnpack", "chunk_0", cache=PreprocessCache()).buffer
+
+    legalized = []
+    from exporter import partition_sort
+
+    original = partition_sort.sort_partitions_once
+
+    @contextlib.contextmanager
+    def counting():
+        from executorch.exir import lowered_backend_module as lbm
+
+        with original():
+            inner = lbm.legalize_graph
+            lbm.legalize_graph = lambda gm: (legalized.append(1), inner(gm))[1]
+            try:
+                yield
+            finally:
+                lbm.legalize_graph = inner
+
+    monkeypatch.setattr(lower, "sort_partitions_once", counting)
+    deferred = lowered()
+    assert len(legalized) > 10  # one sort per partition still runs
+    monkeypatch.setattr(lower, "sort_partitions_once", contextlib.nullcontext)
+    assert lowered() == deferred
