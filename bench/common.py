@@ -17,6 +17,20 @@ if str(REPO) not in sys.path:  # run as `python bench/x.py` from anywhere
 MiB = 1 << 20
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+# SIGTERM (kill, a timeout) unwinds a benchmark like Ctrl-C, so its `finally` blocks stop the
+# emulated phones it started (they run in sessions of their own and would outlive it) and
+# remove their cgroups and namespaces.
+import signal  # noqa: E402
+import threading  # noqa: E402
+
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGTERM, _interrupt)
+
+
 def proc_status() -> dict:
     """VmRSS / VmHWM (peak RSS) of this process in bytes, from /proc/self/status."""
     out = {}
@@ -106,11 +120,10 @@ def bench_micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int
     """n micro-batches of the synthetic data set, tokenised with the export's tokenizer."""
     from transformers import AutoTokenizer
 
-    from host.data import encode_examples, load_examples, make_microbatches
+    from host.data import load_examples, tokenized_microbatches
 
     tok = AutoTokenizer.from_pretrained(Path(export_dir) / "tokenizer")
-    examples = load_examples(None)[: n * micro_batch]
-    return make_microbatches(encode_examples(examples, tok, seq_len), micro_batch, seq_len, tok.pad_token_id)
+    return tokenized_microbatches(load_examples(None)[: n * micro_batch], tok, seq_len, micro_batch)
 
 
 def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *, prefix: str, extra_args=None,

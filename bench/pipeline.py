@@ -303,14 +303,15 @@ def link_plot(plt, runs: list, sweep_methods, rates, path: Path) -> str:
     return save_figure(fig, path)
 
 
-def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = "pipeline") -> list[str]:
+def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = "pipeline", ref=None) -> list[str]:
+    """`ref`: the link the memory and timeline plots show (None: Local)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     paths = []
-    base = [r for r in runs if r["rate_mbit"] is None]
+    base = [r for r in runs if r["rate_mbit"] == ref]
     paths.append(memory_breakdown_plot(plt, base, out_dir / f"{stem}_pss.png"))
     if len(rates) > 1:  # one link has no curve to draw
         paths.append(link_plot(plt, runs, sweep_methods, rates, out_dir / f"{stem}_link.png"))
@@ -320,7 +321,7 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
     n_st = len(base[0]["per_stage"])
     fig, axes = plt.subplots(len(base), 1, figsize=(11, 0.2 + (0.9 + 0.4 * n_st) * len(base)), squeeze=False)
     for ax, r in zip(axes[:, 0], base):
-        draw_timeline(ax, r["timeline"], f"{r['method']} (Local link)")
+        draw_timeline(ax, r["timeline"], f"{r['method']} ({LINKS.get(ref, f'{ref} Mbit/s')} link)")
     paths.append(save_figure(fig, out_dir / f"{stem}_timeline.png"))
     return paths
 
@@ -465,9 +466,12 @@ def main(argv=None) -> int:
     def get(m, rate):
         return next((r for r in runs if r["method"] == m and r["rate_mbit"] == rate), None)
 
-    failed = [m for m in methods if get(m, None) is None]
+    # the tables compare methods on one link: Local where it was run, else the first of --rates
+    ref = None if None in rates else rates[0]
+    ref_name = LINKS.get(ref, f"{ref} Mbit/s")
+    failed = [m for m in methods if get(m, ref) is None]
     if "zerolock" in failed:
-        print("ZeroLock's Local run failed: nothing to compare against (see the FAILED lines above)", flush=True)
+        print(f"ZeroLock's {ref_name} run failed: nothing to compare against (see the FAILED lines above)", flush=True)
         return 1
     if failed:
         print(f"left out of the tables (their runs failed, see above): {', '.join(failed)}", flush=True)
@@ -477,8 +481,9 @@ def main(argv=None) -> int:
     print("\n| method | peak PSS mean / max over stages | activation memory mean / max | throughput | active fraction | "
           "per stage: peak PSS, held mbs x saved |")
     print("|---|---|---|---|---|---|")
+    print(f"(link: {ref_name})")
     for m in methods:
-        r = get(m, None)
+        r = get(m, ref)
         st = "; ".join(f"s{p['stage']}: {p['pss_peak_bytes'] / MiB:.0f} MiB, {p['held_micro_batches']} x "
                        f"{p['saved_activation_bytes_per_mb'] / MiB:.1f} MiB" for p in r["per_stage"])
         if r.get("train_peak_mean") is not None:
@@ -488,13 +493,13 @@ def main(argv=None) -> int:
         print(f"| {m} | {r['pss_peak_mean'] / MiB:,.0f} / {r['pss_peak_max'] / MiB:,.0f} MiB | "
               f"{r['act_mean'] / MiB:,.1f} / {r['act_max'] / MiB:,.1f} MiB | {r['throughput_sps']:.2f} samples/s | "
               f"{r['active_fraction_mean']:.2f} | {st} |")
-    z = get("zerolock", None)
+    z = get("zerolock", ref)
     ratios = {}
-    print("\nratios ZeroLock / baseline (Local link): ")
+    print(f"\nratios ZeroLock / baseline ({ref_name} link): ")
     for m in methods:
         if m == "zerolock":
             continue
-        r = get(m, None)
+        r = get(m, ref)
         if z.get("train_peak_mean") and r.get("train_peak_mean"):
             ratios.setdefault(m, {}).update(train_peak_mean=z["train_peak_mean"] / r["train_peak_mean"],
                                             train_peak_max=z["train_peak_max"] / r["train_peak_max"])
@@ -541,11 +546,12 @@ def main(argv=None) -> int:
                         "phones": (f"unpinned, each held to its CPU share (zl-phone --cpu-share), --threads 1"
                                    if shares else f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}")},
            "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios,
+           "ratios_link": ref_name,
            "ratio_spread": spread, "throughput_vs_link": sweep_tab,
            "rates_mbit": rates, "plots": []}
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(out, indent=1, default=str))  # before the plots: a plotting error loses no run
-    out["plots"] = plots(a.out.parent, runs, methods, sweep, rates, a.out.stem)
+    out["plots"] = plots(a.out.parent, runs, methods, sweep, rates, a.out.stem, ref)
     a.out.write_text(json.dumps(out, indent=1, default=str))
     print(f"wrote {a.out} and {', '.join(out['plots'])}")
     return 0

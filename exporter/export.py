@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -180,6 +180,8 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             load_gguf_tokenizer(gguf_file).save_pretrained(tmp / "tokenizer")
 
         lens_info = None
+        if cfg.readout == "lens" and "zerolock" not in modes:
+            cfg = replace(cfg, readout="static")  # a BP stage reads out only at the end, through the final norm
         if cfg.readout == "lens":
             lenses, lens_info = _readout_lenses(model, ranges, cfg, tmp, calibration, lenses, say)
         else:
@@ -386,7 +388,7 @@ def _readout_lenses(model, ranges, cfg: ExportConfig, tmp: Path, calibration, le
 def _calibration_batches(tok_dir: Path, calibration, cfg: ExportConfig) -> list:
     from transformers import AutoTokenizer
 
-    from host.data import DataError, encode_examples, load_examples, make_microbatches
+    from host.data import DataError, load_examples, tokenized_microbatches
 
     if not tok_dir.is_dir():
         raise ExportError("--readout lens needs the model's tokenizer to read calibration text; "
@@ -394,11 +396,9 @@ def _calibration_batches(tok_dir: Path, calibration, cfg: ExportConfig) -> list:
     tok = AutoTokenizer.from_pretrained(tok_dir)
     try:
         examples = list(load_examples(calibration))[:CALIBRATION_EXAMPLES]
-        encoded = encode_examples(examples, tok, cfg.seq_len)
+        batches = tokenized_microbatches(examples, tok, cfg.seq_len, 8)
     except DataError as e:
         raise ExportError(f"--calibration-data: {e}") from None
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    batches = make_microbatches(encoded, 8, cfg.seq_len, pad, drop_last=False)
     if not batches:
         raise ExportError(f"--calibration-data {calibration} gave no text to fit the readout lens on")
     return batches

@@ -54,13 +54,9 @@ def side_by_side(model_dir: str, adapter_dir: Path, micro_batches: list[dict], t
 
 
 def _greedy(model, ids, max_new_tokens: int, eos: int | None) -> list[int]:
-    """Greedy continuation of ids [1, S] until eos or max_new_tokens (no cache: a few tokens)."""
-    new = []
-    for _ in range(max_new_tokens):
-        logits = model(input_ids=ids).logits[0, -1]
-        t = int(logits.argmax())
-        if t == eos:
-            break
-        new.append(t)
-        ids = torch.cat([ids, torch.tensor([[t]])], dim=1)
-    return new
+    """Greedy continuation of ids [1, S] until eos or max_new_tokens, without the eos."""
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                         do_sample=False, temperature=None, top_p=None, top_k=None,
+                         eos_token_id=eos, pad_token_id=eos if eos is not None else 0)
+    new = out[0, ids.shape[1]:].tolist()
+    return new[:new.index(eos)] if eos in new else new

@@ -88,7 +88,7 @@ def cpu_shares(text: str | None, n: int) -> list[float] | None:
 def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: bool = True):
     from transformers import AutoTokenizer
 
-    from .data import DataError, check_loss_positions, check_rejected, encode_examples, load_examples, make_microbatches
+    from .data import DataError, check_loss_positions, check_rejected, load_examples, tokenized_microbatches
 
     tok_dir = export_dir / "tokenizer"
     if not tok_dir.is_dir():
@@ -102,8 +102,7 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: b
         if warning:
             console.print(f"zl-host: warning: {warning}", markup=False)
         e = manifest["export"]
-        encoded = encode_examples(examples, tok, e["seq_len"])
-        mbs = make_microbatches(encoded, e["micro_batch"], e["seq_len"], tok.pad_token_id, drop_last=False)
+        mbs = tokenized_microbatches(examples, tok, e["seq_len"], e["micro_batch"])
         if training:  # a program never cuts a micro-batch's loss (eval reads the HF model's full logits)
             check_loss_positions(mbs, e["readout_rows"], e["micro_batch"])
     except DataError as err:

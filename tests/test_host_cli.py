@@ -329,3 +329,24 @@ def test_run_and_eval_on_int8_base_weights(small_export_int8, data_file, tmp_pat
     assert main(["eval", "--program", str(out), "--adapter", str(run / "adapter"), "--data", str(data_file)]) == 0
     text = capsys.readouterr().out
     assert "(base weights int8, as trained)" in text and "with adapter:  NLL" in text
+
+
+def test_greedy_answers_are_the_argmax_continuation(small_model_dir):
+    """host.answers decodes with transformers' generate: the same tokens as taking the argmax one
+    step at a time, stopping before the eos."""
+    import torch
+
+    from exporter.model_source import load_model_dir
+    from host.answers import _greedy
+
+    model = load_model_dir(small_model_dir).eval()
+    ids = torch.tensor([[5, 9, 11, 3, 7]])
+    with torch.no_grad():
+        reference, x = [], ids
+        for _ in range(6):
+            t = int(model(input_ids=x).logits[0, -1].argmax())
+            reference.append(t)
+            x = torch.cat([x, torch.tensor([[t]])], dim=1)
+        assert _greedy(model, ids, 6, eos=None) == reference
+        stop = reference[3]  # as if that token were the eos
+        assert _greedy(model, ids, 6, eos=stop) == reference[:reference.index(stop)]

@@ -151,6 +151,15 @@ def make_microbatches(encoded, micro_batch_size: int, seq_len: int, pad_id: int,
     return batches
 
 
+def tokenized_microbatches(examples, tokenizer, seq_len: int, micro_batch_size: int) -> list[dict[str, np.ndarray]]:
+    """encode_examples then make_microbatches (the last one padded), padding with the tokenizer's
+    pad token, or its eos where it has none: what training, eval and the readout lens's
+    calibration all read."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return make_microbatches(encode_examples(examples, tokenizer, seq_len), micro_batch_size, seq_len, pad,
+                             drop_last=False)
+
+
 def check_loss_positions(batches, capacity: int, micro_batch_size: int | None = None) -> None:
     """Refuse micro-batches with more valid (answer) positions than the program reads out.
 
