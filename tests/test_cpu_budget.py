@@ -101,6 +101,7 @@ def test_budgeted_phone_has_its_cgroup_says_its_share_and_removes_it_on_sigterm(
     try:
         group = _group(proc.pid)
         assert f"CPU budget {FAST:g} of a core" in line
+        assert line.rstrip().endswith("2 compute threads")  # ceil(1.5): not more threads than the share has cores
         assert _quota(group) == (round(FAST * 10_000), 10_000)
         threads = {int(t) for t in os.listdir(f"/proc/{proc.pid}/task")}
         tasks = group / ("tasks" if (group / "tasks").exists() else "cgroup.threads")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import secrets
 import signal
@@ -59,7 +60,8 @@ def build_parser():
     p.add_argument("--cpus", default=None, help="pin to these CPU cores, e.g. 0 or 0,1")
     p.add_argument("--cpu-share", type=float, default=None,
                    help="limit this phone to this share of one CPU core (e.g. 0.5), in a cgroup of its own that goes "
-                        "when the phone does (needs root and the cgroup cpu controller; zl_mobile/cpu_budget.py)")
+                        "when the phone does (needs root and the cgroup cpu controller; zl_mobile/cpu_budget.py); "
+                        "it computes on ceil(share) threads unless --threads says otherwise")
     p.add_argument("--rate-mbit", type=float, default=None, help="shape outgoing links to this many Mbit/s")
     p.add_argument("--link-delay-ms", type=float, default=0.0,
                    help="see each frame arriving on a stage link (hidden state, gradient, credit) this much later "
@@ -133,7 +135,11 @@ def _main(a, parser, budget) -> int:
     quiet_libraries(transformers=False)  # torchao's and torch's messages that are not errors (eager backend)
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
-    threads = a.threads or (len(a.cpus.split(",")) if a.cpus else None)
+    # a phone held to a share of a core computes on as many threads as that share has cores: more
+    # would burn the quota in parallel bursts and stall together at its end (XNNPACK's workers wait
+    # on each other), so short phases would cost what the throttling, not the work, decides
+    threads = a.threads or (len(a.cpus.split(",")) if a.cpus else None) or (
+        math.ceil(a.cpu_share) if a.cpu_share is not None else None)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     if a.token is not None:
@@ -187,7 +193,8 @@ def _main(a, parser, budget) -> int:
 
     def ready(port: int) -> None:
         print(f"zl-phone {a.name}: listening on {a.bind}:{port}, work dir {workdir}, backend {backend.label}"
-              + (f", CPU budget {budget.share:g} of a core ({budget.path})" if budget else ""), flush=True)
+              + (f", CPU budget {budget.share:g} of a core ({budget.path})" if budget else "")
+              + (f", {threads} compute thread{'s' if threads > 1 else ''}" if threads else ""), flush=True)
         print(f"pairing token: {token}", flush=True)
         if a.mdns != "none":
             interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
