@@ -30,6 +30,10 @@ import threading  # noqa: E402
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _interrupt)
 
+from zl_mobile.quiet import quiet_libraries  # noqa: E402
+
+quiet_libraries()  # a benchmark's terminal shows its figures, not torchao's or transformers' noise
+
 
 def proc_status() -> dict:
     """VmRSS / VmHWM (peak RSS) of this process in bytes, from /proc/self/status."""

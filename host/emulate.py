@@ -80,17 +80,27 @@ class EmulatedPhone:
 
     def adopt_or_start(self, pid: int | None) -> "EmulatedPhone":
         """On resume: keep the phone a previous host started if it still answers, else start it."""
+        from zl_mobile.processes import pid_alive, wait_gone
+
+        if pid and pid_alive(pid) and self._answers():
+            self.adopted_pid = pid
+            return self
+        if pid:  # a phone killed a moment ago may still hold its port while it dies
+            wait_gone(pid, 5.0)
+        return self.start()
+
+    def _answers(self) -> bool:
+        """The phone accepts and speaks first (its handshake challenge). Accepting alone proves
+        nothing: the kernel completes a connection in the listener's backlog for a process that
+        is being killed, which then resets it."""
         import socket
 
-        if pid:
-            try:
-                os.kill(pid, 0)
-                socket.create_connection((self.address, self.port), timeout=2).close()
-                self.adopted_pid = pid
-                return self
-            except OSError:
-                pass
-        return self.start()
+        try:
+            with socket.create_connection((self.address, self.port), timeout=2) as s:
+                s.settimeout(2)
+                return len(s.recv(1)) == 1
+        except OSError:
+            return False
 
     def alive(self) -> bool:
         if self.adopted_pid is not None:

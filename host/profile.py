@@ -8,7 +8,9 @@ pushed, STAGE_ASSIGN, hidden states fed, TELEMETRY back. No protocol message is 
 runs exactly what a stage runs. From the two stage runs:
 
 - time per micro-batch t(n) = fixed + n * per-layer (phase 1 and phase 2 apart; the readout is
-  most of phase 2's fixed part), from the medians after a warm-up micro-batch;
+  most of phase 2's fixed part), from the medians after a warm-up micro-batch; the planner's cost
+  from the stage's busy time per micro-batch, or, on a phone held to a CPU budget (HELLO
+  cpu_share), from its CPU time / share (paced_busy_s), and the window's step the same way;
 - memory: the peak resident set of the 1-layer stage (runtime + weights + activations as the
   kernel counts them), the frozen weights per layer, of the readout and of the embedding from the
   programs' weight files (exact), the activations a further held forward keeps per layer from the
@@ -191,6 +193,11 @@ def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, 
         # between phases use the quota too: the phases' medians alone miss both.
         first, last = ordered[0], ordered[-1]
         busy = ((last["phase2_end"] - first["phase2_end"]) - (last["wait_s"] - first["wait_s"])) / len(steady)
+        # CPU time per micro-batch: the median step of the running total (a garbage collection or a
+        # slow moment of the machine in one micro-batch does not move it)
+        cpu = (statistics.median(b["cpu_s"] - a["cpu_s"] for a, b in zip(ordered, ordered[1:]))
+               if all("cpu_s" in r for r in ordered) else None)
+        busy = paced_busy_s(busy, cpu, hello.get("cpu_share"))
         scale = busy / (p1 + p2) if p1 + p2 > 0 and busy > 0 else 1.0
         eager = "eager-torch" in (hello.get("capabilities") or [])
         chunk = manifest["chunks"][0]
@@ -198,8 +205,10 @@ def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, 
             "layers": n,
             "phase1_s": p1 * scale,  # the busy time, shared out as the phases' medians are
             "phase2_s": p2 * scale,
-            "phase_median_s": [p1, p2], "busy_s": busy,
-            "step_s": statistics.median(w["step_s"] for w in win),
+            "phase_median_s": [p1, p2], "busy_s": busy, "cpu_s": cpu,
+            "step_s": paced_busy_s(statistics.median(w["step_s"] for w in win),
+                                   statistics.median(w["step_cpu_s"] for w in win) if all("step_cpu_s" in w for w in win)
+                                   else None, hello.get("cpu_share")),
             "rss_peak_bytes": max([r.get("rss_peak_bytes") or 0 for r in mbs] + [w.get("rss_peak_bytes") or 0 for w in win]),
             "pss_runtime_bytes": win[-1].get("pss_runtime_bytes"),
             "weights": _weight_bytes(export_dir, chunk, eager),
@@ -207,6 +216,17 @@ def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, 
             "link_mbit": _push_rate(pushes, export_dir, manifest),
         }
     return build_profile(handle.name, hello, runs, next(iter(cal.values())))
+
+
+def paced_busy_s(wall_s: float, cpu_s: float | None, share: float | None) -> float:
+    """A calibration stage's time per micro-batch as a long run will see it. On a CPU budget the
+    kernel lets the process run `share` of each 10 ms period, so a busy stage advances at its CPU
+    time / share; a dozen micro-batches of a few periods each are held back at their quota or not
+    almost at random (the 0.9-core phone read 0.7 ms a layer where a run takes 2.5), while CPU time
+    does not depend on when the quota cut in. Without a budget (a real phone) the wall time is it."""
+    if share and cpu_s:
+        return cpu_s / share
+    return wall_s
 
 
 def _push_rate(pushes: list, export_dir: Path, manifest: dict) -> float | None:

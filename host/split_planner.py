@@ -278,9 +278,10 @@ def plan_split(num_layers: int, phones: list[PhoneModel], frame_bytes: int = 0, 
 def ideal_time(num_layers: int, phones: list[PhoneModel]) -> float:
     """The slowest stage's time if layers could be cut anywhere: T with sum over phones of
     (T - fixed_s) / layer_s = num_layers (the embedding's and links' costs left out), a bound
-    no split in whole layers beats."""
+    no split in whole layers beats. Every phone runs a stage, so T is never below the largest
+    fixed cost (past it the faster phones hold every layer already)."""
     speed = sum(1 / p.layer_s for p in phones)
-    return (num_layers + sum(p.fixed_s / p.layer_s for p in phones)) / speed
+    return max((num_layers + sum(p.fixed_s / p.layer_s for p in phones)) / speed, max(p.fixed_s for p in phones))
 
 
 def evaluate_split(chunks: list[tuple[int, int]], order: list[PhoneModel], frame_bytes: int = 0,

@@ -2,6 +2,9 @@
 that peft loads, the report, eval; and every bad input gets one clear line."""
 import json
 import shutil
+import socket
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -350,3 +353,29 @@ def test_greedy_answers_are_the_argmax_continuation(small_model_dir):
         assert _greedy(model, ids, 6, eos=None) == reference
         stop = reference[3]  # as if that token were the eos
         assert _greedy(model, ids, 6, eos=stop) == reference[:reference.index(stop)]
+
+
+def test_a_zombie_is_not_alive_and_a_dying_phone_is_not_adopted(tmp_path):
+    """An orphan killed with its host may linger as a zombie no one reaps, and a phone SIGKILLed a
+    moment ago can still complete a connection in its backlog: neither is a phone to adopt."""
+    import subprocess
+
+    from host.emulate import EmulatedPhone
+    from zl_mobile.processes import wait_gone
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    deadline = time.time() + 30
+    while open(f"/proc/{child.pid}/stat").read().rpartition(")")[2].split()[0] != "Z" and time.time() < deadline:
+        time.sleep(0.02)  # exited, not reaped yet: a zombie
+    assert not pid_alive(child.pid) and wait_gone(child.pid, 1.0)
+    child.wait()
+
+    # a listener that accepts into its backlog but never speaks (as a process being killed)
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(4)
+    try:
+        phone = EmulatedPhone("mute", tmp_path / "w", "ab" * 32, [], mute.getsockname()[1])
+        assert not phone._answers()
+    finally:
+        mute.close()

@@ -46,6 +46,7 @@ def test_profile_two_emulated_phones(profiled, capsys):
         assert 50 * MiB < f["runtime_bytes"] < f["peak_1_layer_bytes"] < 700 * MiB
         for n in ("1", "3"):  # both calibration stages ran their micro-batches on the phone
             assert p["runs"][n]["phase1_s"] > 0 and p["runs"][n]["phase2_s"] > 0
+            assert 0 < p["runs"][n]["cpu_s"] < 10 * p["runs"][n]["busy_s"]  # the phone's CPU time per micro-batch
         assert p["export"]["seq_len"] == 16 and p["export"]["backend"] == "portable"
 
 
@@ -235,3 +236,15 @@ def test_export_chunks_from_a_plan_file(tmp_path):
     (tmp_path / "bad.json").write_text('{"devices": ["a"]}')
     with pytest.raises(ChunkSpecError, match="no \"chunks\" spec"):
         chunks_from_arg(str(tmp_path / "bad.json"))
+
+
+def test_a_budgeted_phone_is_paced_by_its_cpu_time():
+    """On a CPU budget a stage's long-run time per micro-batch is its CPU time / share, whatever a
+    short calibration's wall clock read; without a budget the wall time stands."""
+    from host.profile import paced_busy_s
+
+    assert paced_busy_s(0.0143, 0.0300, 0.9) == pytest.approx(0.0300 / 0.9)
+    assert paced_busy_s(0.0625, 0.0150, 0.3) == pytest.approx(0.0500)
+    assert paced_busy_s(0.0143, 0.0300, None) == 0.0143
+    assert paced_busy_s(0.0143, None, 0.9) == 0.0143  # a phone that does not report CPU time
+

@@ -84,6 +84,14 @@ def test_uneven_phones_get_layers_by_speed():
     assert plan.ideal_s == pytest.approx(ideal_time(22, phones))
 
 
+def test_ideal_is_never_below_a_phone_s_fixed_cost():
+    # the slow phone's readout alone outlasts what the continuous split would give every stage
+    phones = [PhoneModel("slow", layer_s=0.01, fixed_s=0.1), PhoneModel("fast", layer_s=0.001, fixed_s=0.0)]
+    assert ideal_time(10, phones) == pytest.approx(0.1)  # not (10 + 10) / 1100 = 0.018
+    plan = plan_split(10, phones)
+    assert plan.bottleneck_s == pytest.approx(0.11) and plan.bottleneck_s >= plan.ideal_s
+
+
 def test_memory_budget_moves_layers_off_a_fast_phone():
     fast = PhoneModel("fast", layer_s=0.01, fixed_s=0.0, budget_bytes=30 * MiB, runtime_bytes=10 * MiB,
                       layer_bytes=4 * MiB)

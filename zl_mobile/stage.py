@@ -277,7 +277,7 @@ class Stage:
             # when h_k was handed to the link (None: no credit yet, the link thread sends it later)
             "forwarded": self.outbound.sent_at.pop(mb, None) if self.outbound else None,
             "active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
-            "wait_downstream_s": self.clock.wait_downstream_s,
+            "wait_downstream_s": self.clock.wait_downstream_s, "cpu_s": time.process_time(),
             "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out(),
             "replay_held": self.outbound.held() if self.outbound else None,
             "replay_held_peak": self.outbound.peak_buffered if self.outbound else None,
@@ -303,9 +303,10 @@ class Stage:
     def _counters(self) -> dict:
         return {"active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
                 "wait_downstream_s": self.clock.wait_downstream_s, "seconds": time.time(),
+                "cpu_s": time.process_time(),  # the process's, every thread: what a CPU budget counts
                 "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out()}
 
-    def _window_telemetry(self, w: int, step_s: float) -> None:
+    def _window_telemetry(self, w: int, step_s: float, step_cpu_s: float) -> None:
         """One record per update window: mean losses, time split, traffic and the window's peak RSS."""
         ws = self._window_stats.pop(w, None)
         if ws is None:
@@ -316,7 +317,7 @@ class Stage:
         self.to_host(Message(MsgType.TELEMETRY, _present({
             "kind": "window", "stage": self.k, "window": w, "step": self.opt.step_count, "schedule": self.cfg.schedule,
             "micro_batches": n, **{k: v / n for k, v in ws["sums"].items()},
-            "phase1_s": ws["phase1_s"], "phase2_s": ws["phase2_s"], "step_s": step_s,
+            "phase1_s": ws["phase1_s"], "phase2_s": ws["phase2_s"], "step_s": step_s, "step_cpu_s": step_cpu_s,
             **{k: now[k] - then[k] for k in now},  # active/wait time, wall time and traffic of this window
             "pss_bytes": read_pss_bytes(), "rss_peak_bytes": max(ws["rss_peak"], take_peak_rss_bytes() or 0) or None,
             "temperature_c": read_temperature_c(), "pss_runtime_bytes": self.runtime_pss,
@@ -333,7 +334,7 @@ class Stage:
 
     def _end_window(self, w: int) -> None:
         grads = self._acc.mean(w)  # the mean over the window's valid positions
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         with self.clock.span("step"):
             self.opt.step(grads)
             self._maybe_fail("before-commit", w)
@@ -343,7 +344,7 @@ class Stage:
                                                optimizer=self.opt.state_tensors(),
                                                meta={"next_micro_batch": (w + 1) * self.cfg.window_size}))
         self.committed = w
-        self._window_telemetry(w, time.time() - t0)
+        self._window_telemetry(w, time.time() - t0, time.process_time() - cpu0)
         self.to_host(Message(MsgType.CHECKPOINT_COMMITTED, {"window": w, "step": self.opt.step_count, "sha256": sha,
                                                             "stage": self.k}))
         self.inbound.committed(w, self.opt.step_count, sha)
