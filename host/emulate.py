@@ -90,16 +90,20 @@ class EmulatedPhone:
         return self.start()
 
     def _answers(self) -> bool:
-        """The phone accepts and speaks first (its handshake challenge). Accepting alone proves
-        nothing: the kernel completes a connection in the listener's backlog for a process that
-        is being killed, which then resets it."""
+        """The phone answers the opening of a handshake (with its challenge). Accepting alone
+        proves nothing: the kernel completes a connection in the listener's backlog for a process
+        that is being killed, which then resets it."""
         import socket
+
+        from zl_mobile.protocol import send_message
+        from zl_mobile.protocol.handshake import HostHandshake
 
         try:
             with socket.create_connection((self.address, self.port), timeout=2) as s:
                 s.settimeout(2)
+                send_message(s, HostHandshake(self.token, "zl-host").start())
                 return len(s.recv(1)) == 1
-        except OSError:
+        except (OSError, ValueError):
             return False
 
     def alive(self) -> bool:
