@@ -360,7 +360,7 @@ class DistStage:
             "step": self.opt.step_count, "schedule": "zerolock", **losses, **p["t"], "phase2_start": t0,
             "phase2_end": now, "forwarded": p["forwarded"], "active_s": self.clock.active_s,
             "wait_s": self.clock.wait_s, "wait_downstream_s": self.clock.wait_downstream_s,
-            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            "cpu_s": time.process_time(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "replay_held": len(self.log_held) if self.k < self.world - 1 else None,
             "replay_held_peak": self.log_held_peak if self.k < self.world - 1 else None,
             "pss_bytes": read_pss_bytes(), "rss_peak_bytes": peak, "temperature_c": read_temperature_c(),
@@ -371,12 +371,12 @@ class DistStage:
     def _counters(self) -> dict:
         return {"active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
                 "wait_downstream_s": self.clock.wait_downstream_s, "seconds": time.time(),
-                "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
+                "cpu_s": time.process_time(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
 
     def _end_window(self, w: int) -> None:
         acc = self._acc.pop(w)
         n = max(self._count.pop(w), 1)
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         with self.clock.span("step"):
             self.opt.step({k: g / n for k, g in acc.items()})
             self._maybe_fail("before-commit", w)
@@ -398,7 +398,7 @@ class DistStage:
             "kind": "window", "stage": self.k, "window": w, "step": self.opt.step_count, "schedule": "zerolock",
             "micro_batches": ws["n"], **{k: v / nmb for k, v in ws["sums"].items()},
             "phase1_s": ws["phase1_s"], "phase2_s": ws["phase2_s"], "step_s": time.time() - t0,
-            **{k: now[k] - then[k] for k in now}, "pss_bytes": read_pss_bytes(),
+            "step_cpu_s": time.process_time() - cpu0, **{k: now[k] - then[k] for k in now}, "pss_bytes": read_pss_bytes(),
             "rss_peak_bytes": max(ws["rss"], take_peak_rss_bytes() or 0) or None,
             "temperature_c": read_temperature_c(), "cuda_max_allocated_bytes": self._cuda_peak()})
         self._record("CHECKPOINT_COMMITTED", {"window": w, "step": self.opt.step_count, "sha256": sha})
