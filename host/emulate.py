@@ -1,7 +1,6 @@
 """Emulated phones: real zl-phone processes on this machine, started and restarted by the host."""
 from __future__ import annotations
 
-import math
 import os
 import secrets
 import subprocess
@@ -204,8 +203,8 @@ class EmulatedLinks:
 
 def budget_args(share: float) -> list[str]:
     """zl-phone arguments of a phone held to `share` of one core: not pinned (the shares of several
-    phones need not add up to whole cores), as many compute threads as whole cores it may use."""
-    return ["--cpu-share", f"{share:g}", "--threads", str(max(1, math.ceil(share - 1e-9)))]
+    phones need not add up to whole cores); the phone picks its threads from the share."""
+    return ["--cpu-share", f"{share:g}"]
 
 
 def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_phone_args=None,

@@ -31,6 +31,13 @@ GROUP = "zerolock"          # the parent of every phone's cgroup
 PREFIX = "phone-"           # phone-PID
 
 
+def threads_for_share(share: float) -> int:
+    """Compute threads for a process held to `share` of one core: as many as whole cores it may
+    use. More would burn the quota in parallel bursts and stall together at its end (XNNPACK's
+    workers wait on each other), so short phases would cost what the throttling decides."""
+    return max(1, math.ceil(share - 1e-9))
+
+
 class CpuBudgetError(Exception):
     """One line: what is wrong and what to do."""
 

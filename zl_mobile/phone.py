@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import secrets
 import signal
@@ -130,16 +129,14 @@ def main(argv=None) -> int:
 def _main(a, parser, budget) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
+    from .cpu_budget import threads_for_share
     from .quiet import quiet_libraries
 
     quiet_libraries(transformers=False)  # torchao's and torch's messages that are not errors (eager backend)
     if a.cpus:
         os.sched_setaffinity(0, {int(c) for c in a.cpus.split(",")})
-    # a phone held to a share of a core computes on as many threads as that share has cores: more
-    # would burn the quota in parallel bursts and stall together at its end (XNNPACK's workers wait
-    # on each other), so short phases would cost what the throttling, not the work, decides
     threads = a.threads or (len(a.cpus.split(",")) if a.cpus else None) or (
-        math.ceil(a.cpu_share) if a.cpu_share is not None else None)
+        threads_for_share(a.cpu_share) if a.cpu_share is not None else None)
     if threads:
         os.environ["OMP_NUM_THREADS"] = str(threads)
     if a.token is not None:
