@@ -28,8 +28,8 @@ from .protocol import Message, MsgType
 from .readout import readout_positions
 from .replay_store import ReplayStore
 from .schedules import forwards_held, schedule
-from .telemetry import (ActivityClock, read_pss_by_backing, read_pss_bytes, read_temperature_c, runtime_pss_bytes,
-                        take_peak_rss_bytes)
+from .telemetry import (ActivityClock, PssSampler, read_pss_by_backing, read_pss_bytes, read_temperature_c,
+                        runtime_pss_bytes, take_peak_rss_bytes)
 
 log = logging.getLogger("zl_mobile.stage")
 FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint")
@@ -90,6 +90,7 @@ class Stage:
         in_place = forwards_held(cfg.schedule, cfg.stage, cfg.num_stages, cfg.window_size) == 1
         self.runtime_pss = runtime_pss_bytes()  # before the first load: the memory breakdown's "runtime"
         self._weights_pss = None
+        self._pss = PssSampler()
         self.program = load_program(export_dir, entry, in_place=in_place)
         self.first_input = chunk["first_input"]
         self.is_last = cfg.stage == cfg.num_stages - 1
@@ -267,7 +268,7 @@ class Stage:
         self.done_micro_batches += 1
 
     def _telemetry(self, mb: int, p: dict, losses: dict) -> None:
-        pss = read_pss_bytes()  # after phase 2: the saved activations are gone, so near the resting level
+        pss = self._pss.read()  # after phase 2: the saved activations are gone, so near the resting level
         mb_peak = take_peak_rss_bytes()  # this micro-batch's peak RSS, inside phases 1 and 2 included
         now = time.time()
         self._add_window_stats(p["window"], p["t"], losses, now, mb_peak or 0)
