@@ -84,7 +84,7 @@ def export_settings(a) -> tuple[str, dict]:
 # ---------------------------------------------------------------- profile
 def cmd_profile(a) -> int:
     from .coordinator import RunError
-    from .profile import ProfileError, export_calibration, profile_device, save_profile
+    from .profile import ProfileError, export_calibration, profile_devices, save_profile
 
     CliError = _cli_error()
     model, export = export_settings(a)
@@ -119,12 +119,9 @@ def cmd_profile(a) -> int:
                 raise CliError("--mem-limit / --cpu-share set emulated phones' limits: use --devices emulated:N (a "
                                "real phone reports its own budget)")
             handles, links = _real_devices(a)
-        profiles = []
-        for h in handles:
-            prof = profile_device(h, cal, out / "runs", reps=a.reps, links=links, progress=say)
-            path = save_profile(prof, out)
-            say(f"{h.name}: profile saved to {path}")
-            profiles.append(prof)
+        profiles = profile_devices(handles, cal, out / "runs", reps=a.reps, links=links, progress=say)
+        for prof in profiles:
+            say(f"{prof['device']}: profile saved to {save_profile(prof, out)}")
     except (ProfileError, RunError) as e:
         raise CliError(str(e)) from None
     finally:
@@ -197,7 +194,7 @@ def make_plan(model: str, export: dict, profiles: list[dict], window_size: int, 
     from .split_planner import even_chunks, evaluate_split, plan_split
 
     check_matches(profiles, export)
-    L, _ = model_layers(model)
+    L = model_layers(model)
     models = [phone_model(p, window_size, link_mbit, scale=(scales or {}).get(p["device"], 1.0)) for p in profiles]
     fb = frame_bytes(profiles[0])
     plan = plan_split(L, models, fb, schedule=schedule, window_size=window_size)

@@ -1,11 +1,15 @@
 """Profile a phone: what a layer, the readout and the runtime cost it, measured on its own runtime.
 
 The host exports two calibration programs of the run's model (its first layer, and its first
-three layers, each one chunk with the embedding and the readout; same sequence length,
-micro-batch, readout rows, backend and base weights as the run) and runs each on the phone as a
+n layers, a quarter of the model, 3 to 8: calibration_layers; each one chunk with the embedding
+and the readout; same sequence length, micro-batch, readout rows, backend and base weights as the
+run) and runs each on the phone as a
 one-stage ZeroLock pipeline for a few micro-batches through the ordinary coordinator: files
 pushed, STAGE_ASSIGN, hidden states fed, TELEMETRY back. No protocol message is added; the phone
-runs exactly what a stage runs. From the two stage runs:
+runs exactly what a stage runs. All phones are profiled at once (profile_devices): a run keeps
+them all busy, and emulated phones that share a machine's cores and caches slow each other then,
+so they are measured that way; real phones do not share, and are done sooner. From the two
+stage runs:
 
 - time per micro-batch t(n) = fixed + n * per-layer (phase 1 and phase 2 apart; the readout is
   most of phase 2's fixed part), from the medians after a warm-up micro-batch; the planner's cost
@@ -30,7 +34,6 @@ import numpy as np
 
 from .split_planner import PhoneModel
 
-CAL_LAYERS = (1, 3)  # the two calibration programs: layers 0-0 and 0-2 of the model
 PROFILE_FORMAT = "zerolock-profile"
 EXPORT_KEYS = ("seq_len", "micro_batch", "loss_positions", "backend", "base_weights", "lora_rank", "lora_alpha",
                "target_modules", "xnnpack_ops")
@@ -41,30 +44,33 @@ class ProfileError(Exception):
 
 
 # ---------------------------------------------------------------- calibration programs
-def model_layers(model: str) -> tuple[int, dict]:
-    """(number of layers, the few config values the planner needs) of 'tiny' or a HF Llama dir."""
-    if model == "tiny":
-        from exporter.model_source import TINY_CONFIG
-        cfg = TINY_CONFIG
-    else:
-        from exporter.errors import ModelDirError
-        from exporter.model_source import check_model_dir
-        try:
-            cfg = check_model_dir(Path(model))
-        except ModelDirError as e:
-            raise ProfileError(str(e)) from None
-    return cfg["num_hidden_layers"], {k: cfg[k] for k in ("hidden_size", "vocab_size", "num_hidden_layers")}
+def model_layers(model: str) -> int:
+    """The number of layers of --model (tiny, smollm2, a .gguf file or a HF Llama dir), from its
+    config, without loading weights."""
+    from exporter.errors import ExportError
+    from exporter.model_source import resolve_model, source_num_layers
+
+    try:
+        return source_num_layers(*resolve_model(model))
+    except ExportError as e:
+        raise ProfileError(str(e)) from None
+
+
+def calibration_layers(num_layers: int) -> tuple[int, int]:
+    """The two calibration programs' layer counts: 1, and a quarter of the model (3 to 8). The
+    per-layer cost is the slope between them, so the further apart the less a millisecond of noise
+    in either moves it: from 1 vs 3 layers of the tiny model it came out 1.5-3.2 ms a layer on
+    phones running the same program; a plan extrapolates it to 10-20 layers."""
+    return 1, min(num_layers, max(3, min(8, num_layers // 4)))
 
 
 def _truncated_model(model: str, layers: int):
     import torch
 
-    if model == "tiny":
-        from exporter.model_source import build_tiny_model
-        m = build_tiny_model()
-    else:
-        from exporter.model_source import load_model_dir
-        m = load_model_dir(Path(model))
+    from exporter.model_source import build_tiny_model, load_base_model, resolve_model
+
+    source, path = resolve_model(model)
+    m = build_tiny_model() if source == "tiny" else load_base_model(path)
     m.model.layers = torch.nn.ModuleList(list(m.model.layers)[:layers])
     m.config.num_hidden_layers = layers
     if isinstance(getattr(m.config, "layer_types", None), list):
@@ -85,7 +91,10 @@ def export_calibration(model: str, export: dict, out: Path, progress=None) -> di
     stamp = {"model": str(Path(model).absolute()) if model != "tiny" else "tiny", "export": cfg.to_json()}
     out = Path(out)
     dirs = {}
-    for n in CAL_LAYERS:
+    layers = model_layers(model)
+    if layers < 2:
+        raise ProfileError(f"{model} has {layers} layer: there is no split to plan; run it on one phone")
+    for n in calibration_layers(layers):
         d = out / f"layers_{n}"
         dirs[n] = d
         meta = d / "calibration.json"
@@ -172,7 +181,7 @@ def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, 
             progress(f"{handle.name}: running the {n}-layer calibration stage ({reps + 1} micro-batches)")
         try:
             co = Coordinator(export_dir, [handle], calibration_batches(manifest, reps + 1), settings, run_dir,
-                             run_id=f"profile-{int(start)}-{n}", on_event=on_event, links=links)
+                             run_id=f"profile-{handle.name}-{int(start)}-{n}", on_event=on_event, links=links)
             co.run()
         except RunError as e:
             raise ProfileError(f"{handle.name}: the {n}-layer calibration stage failed: {e}") from None
@@ -218,6 +227,17 @@ def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, 
     return build_profile(handle.name, hello, runs, next(iter(cal.values())))
 
 
+def profile_devices(handles: list, cal: dict[int, Path], run_root: Path, reps: int = 4, links=None,
+                    progress=None) -> list[dict]:
+    """profile_device on every phone at once, one thread each; the profiles in the handles' order.
+    The first phone that fails ends it with its ProfileError, once the others are done."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max(len(handles), 1), thread_name_prefix="profile") as pool:
+        futures = [pool.submit(profile_device, h, cal, run_root, reps, links, progress) for h in handles]
+        return [f.result() for f in futures]
+
+
 def paced_busy_s(wall_s: float, cpu_s: float | None, share: float | None) -> float:
     """A calibration stage's time per micro-batch as a long run will see it. On a CPU budget the
     kernel lets the process run `share` of each 10 ms period, so a busy stage advances at its CPU
@@ -243,12 +263,13 @@ def _push_rate(pushes: list, export_dir: Path, manifest: dict) -> float | None:
 
 def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Path) -> dict:
     """Fit the per-layer and fixed costs from the calibration runs (pure: the numbers in, the profile out)."""
-    a, b = (runs[n] for n in CAL_LAYERS)
-    dn = CAL_LAYERS[1] - CAL_LAYERS[0]
+    n0, n1 = sorted(runs)
+    a, b = runs[n0], runs[n1]
+    dn = n1 - n0
 
     def fit(key):
         per = max((b[key] - a[key]) / dn, 0.0)
-        return per, max(a[key] - CAL_LAYERS[0] * per, 0.0)
+        return per, max(a[key] - n0 * per, 0.0)
 
     p1_layer, p1_fixed = fit("phase1_s")
     p2_layer, p2_fixed = fit("phase2_s")
@@ -260,12 +281,12 @@ def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Pat
     else:
         mb_layer = mb_fixed = None
     if p1_layer + p2_layer <= 0:  # timer noise swamped the difference: half fixed, half the layer's
-        p1_layer, p2_layer = a["phase1_s"] / CAL_LAYERS[0] / 2, a["phase2_s"] / CAL_LAYERS[0] / 2
+        p1_layer, p2_layer = a["phase1_s"] / n0 / 2, a["phase2_s"] / n0 / 2
         p1_fixed, p2_fixed = a["phase1_s"] / 2, a["phase2_s"] / 2
     if mb_layer is None:  # a profile from phase times only
         mb_layer, mb_fixed = p1_layer + p2_layer, p1_fixed + p2_fixed
     elif mb_layer <= 0:
-        mb_layer, mb_fixed = a["busy_s"] / CAL_LAYERS[0] / 2, a["busy_s"] / 2
+        mb_layer, mb_fixed = a["busy_s"] / n0 / 2, a["busy_s"] / 2
     wa, wb = a["weights"], b["weights"]
     layer_bytes = (wb["layers"] - wa["layers"]) // dn
     saved_layer = max((b["saved_activation_bytes"] - a["saved_activation_bytes"]) // dn, 0)
@@ -274,7 +295,7 @@ def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Pat
     act_layer = max((b["rss_peak_bytes"] - a["rss_peak_bytes"]) // dn - layer_bytes, saved_layer)
     runtime = a["pss_runtime_bytes"] or 0
     # everything the 1-layer stage's peak holds beyond runtime, weights and one layer's saved activations
-    act_fixed = a["rss_peak_bytes"] - runtime - wa["readout"] - wa["embed"] - CAL_LAYERS[0] * (layer_bytes + act_layer)
+    act_fixed = a["rss_peak_bytes"] - runtime - wa["readout"] - wa["embed"] - n0 * (layer_bytes + act_layer)
     manifest = json.loads((Path(export_dir) / "manifest.json").read_text())
     return {
         "format": PROFILE_FORMAT, "device": name, "profiled_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -290,7 +311,8 @@ def build_profile(name: str, hello: dict, runs: dict[int, dict], export_dir: Pat
                 "runtime_bytes": runtime, "readout_bytes": wa["readout"], "embed_bytes": wa["embed"],
                 "layer_bytes": layer_bytes, "act_layer_bytes": act_layer, "act_fixed_bytes": act_fixed,
                 "held_layer_bytes": saved_layer,
-                "peak_1_layer_bytes": a["rss_peak_bytes"], "peak_3_layers_bytes": b["rss_peak_bytes"]},
+                "peak_1_layer_bytes": a["rss_peak_bytes"], "peak_more_layers_bytes": b["rss_peak_bytes"],
+                "calibration_layers": [n0, n1]},
         "link_mbit": next((r["link_mbit"] for r in (b, a) if r["link_mbit"]), None),
     }
 

@@ -48,6 +48,23 @@ def test_profile_two_emulated_phones(profiled, capsys):
             assert p["runs"][n]["phase1_s"] > 0 and p["runs"][n]["phase2_s"] > 0
             assert 0 < p["runs"][n]["cpu_s"] < 10 * p["runs"][n]["busy_s"]  # the phone's CPU time per micro-batch
         assert p["export"]["seq_len"] == 16 and p["export"]["backend"] == "portable"
+        assert p["fit"]["calibration_layers"] == [1, 3]
+    # both phones were profiled at once (a run keeps them all busy): their calibration stages overlap
+    spans = {}
+    for d in (out / "runs").iterdir():
+        ends = [json.loads(line)["phase2_end"] for line in (d / "metrics.jsonl").read_text().splitlines()
+                if '"phase2_end"' in line]
+        name = d.name.split("-")[0]
+        lo, hi = spans.get(name, (min(ends), max(ends)))
+        spans[name] = (min(lo, *ends), max(hi, *ends))
+    (a0, a1), (b0, b1) = spans["emu0"], spans["emu1"]
+    assert a0 < b1 and b0 < a1, spans
+
+
+def test_calibration_layers_are_far_apart_within_the_model():
+    from host.profile import calibration_layers
+
+    assert [calibration_layers(n) for n in (2, 3, 12, 22, 30, 80)] == [(1, 2), (1, 3), (1, 3), (1, 5), (1, 7), (1, 8)]
 
 
 def test_plan_from_profiles_and_refused_set(profiled, small_model_dir, tmp_path, capsys):
