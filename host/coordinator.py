@@ -57,7 +57,7 @@ class StageState:
 class Coordinator:
     def __init__(self, export_dir: Path, devices: list[DeviceHandle], micro_batches: list[dict],
                  settings: RunSettings, run_dir: Path, run_id: str | None = None, on_event=None,
-                 link_tokens: list[str] | None = None, links=None, keep_order: bool = False):
+                 link_tokens: list[str] | None = None, links=None, keep_order: bool = False, sink=None):
         self.export_dir = Path(export_dir)
         self.manifest = load_manifest(self.export_dir)
         self.chunks = self.manifest["chunks"]
@@ -87,6 +87,9 @@ class Coordinator:
         # adb phones (host.adb_wiring.AdbLinks): forwards, reverses, adb push, dumpsys sampling
         self.links = links
         self.sampler = None
+        # a host-side downstream for the last stage (host.calibration_sink: a calibration stage
+        # sends its hidden states as a stage with a next one does)
+        self.sink = sink
 
     # ---- setup
     def _connect(self, st: StageState, timeout: float = 10.0) -> None:
@@ -171,6 +174,8 @@ class Coordinator:
         }
         if nxt:
             st.meta["downstream_token"] = self.link_tokens[st.k + 1]
+        elif self.sink is not None:
+            st.meta["downstream"], st.meta["downstream_token"] = self.sink.address(st.client), self.sink.token
         listen = self.links.listen_port(st.device) if self.links is not None else None
         if listen is not None:
             st.meta["listen_port"] = listen

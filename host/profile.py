@@ -6,15 +6,15 @@ and the readout; same sequence length, micro-batch, readout rows, backend and ba
 run) and runs each on the phone as a
 one-stage ZeroLock pipeline for a few micro-batches through the ordinary coordinator: files
 pushed, STAGE_ASSIGN, hidden states fed, TELEMETRY back. No protocol message is added; the phone
-runs exactly what a stage runs. All phones are profiled at once (profile_devices): a run keeps
-them all busy, and emulated phones that share a machine's cores and caches slow each other then,
-so they are measured that way; real phones do not share, and are done sooner. From the two
-stage runs:
+runs exactly what a stage runs. All phones are profiled at once (profile_devices), each timed only
+while all of them compute, the faster ones given more micro-batches: a run keeps them all busy, and
+emulated phones that share a machine's cores and caches are slower then, so they are measured that
+way; real phones do not share, and are done sooner. From the two stage runs:
 
 - time per micro-batch t(n) = fixed + n * per-layer (phase 1 and phase 2 apart; the readout is
-  most of phase 2's fixed part), from the medians after a warm-up micro-batch; the planner's cost
-  from the stage's busy time per micro-batch, or, on a phone held to a CPU budget (HELLO
-  cpu_share), from its CPU time / share (paced_busy_s), and the window's step the same way;
+  most of phase 2's fixed part); the planner's cost from the stage's busy time per micro-batch
+  (wall clock, less waits for input), the window's step from its CPU time / share on a budget
+  (paced_busy_s);
 - memory: the peak resident set of the 1-layer stage (runtime + weights + activations as the
   kernel counts them), the frozen weights per layer, of the readout and of the embedding from the
   programs' weight files (exact), the activations a further held forward keeps per layer from the
@@ -26,6 +26,7 @@ A profile is a JSON file per device; host.split_planner.PhoneModel is built from
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -35,6 +36,7 @@ import numpy as np
 from .split_planner import PhoneModel
 
 PROFILE_FORMAT = "zerolock-profile"
+CALIBRATION_WINDOW = 4  # micro-batches per update window of a calibration stage
 EXPORT_KEYS = ("seq_len", "micro_batch", "loss_positions", "backend", "base_weights", "lora_rank", "lora_alpha",
                "target_modules", "xnnpack_ops")
 
@@ -149,101 +151,169 @@ def _dtype_bytes(dtype: str) -> int:
     return {"F32": 4, "F16": 2, "BF16": 2, "I8": 1, "U8": 1, "I64": 8, "I32": 4}.get(dtype, 4)
 
 
-# ---------------------------------------------------------------- one phone
-def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, links=None, progress=None) -> dict:
-    """Run both calibration programs on the phone behind `handle` (a coordinator DeviceHandle);
-    return its profile (a JSON-able dict)."""
+# ---------------------------------------------------------------- calibration stages
+def _calibration_stage(handle, n: int, export_dir: Path, run_root: Path, count: int, links=None,
+                       progress=None) -> dict:
+    """Run the n-layer calibration program on one phone as a one-stage pipeline of `count`
+    micro-batches; its HELLO, its telemetry and the file pushes' times."""
     from exporter.manifest import load_manifest
 
+    from .calibration_sink import CalibrationSink
     from .coordinator import Coordinator, RunError
     from .plan import RunSettings
 
-    import dataclasses
+    manifest = load_manifest(export_dir)
+    # update windows of a few micro-batches, so the window's step (AdamW, checkpoint) is sampled
+    # several times, not once (a garbage collection in a single step read 96 ms for 10)
+    windows = max(1, math.ceil(count / CALIBRATION_WINDOW))
+    count = windows * CALIBRATION_WINDOW if count > CALIBRATION_WINDOW else count
+    settings = RunSettings(windows=windows, window_size=min(count, CALIBRATION_WINDOW), max_seconds=600.0,
+                           heartbeat_timeout=30.0, rejoin_timeout=5.0)
+    pushes: list[tuple[float, dict]] = []
+    start = time.time()
 
-    handle = dataclasses.replace(handle, restart=None)  # a phone that dies here is reported, not restarted
-    runs = {}
-    hello = None
-    for n, export_dir in cal.items():
-        manifest = load_manifest(export_dir)
-        settings = RunSettings(windows=1, window_size=reps + 1, max_seconds=600.0, heartbeat_timeout=30.0,
-                               rejoin_timeout=5.0)
-        pushes: list[tuple[float, dict]] = []
-        start = time.time()
+    def on_event(kind, data):
+        if kind == "push":
+            pushes.append((time.time(), data))
+        elif kind == "connected":
+            pushes.append((time.time(), {"connected": True}))
 
-        def on_event(kind, data, pushes=pushes):
-            if kind == "push":
-                pushes.append((time.time(), data))
-            elif kind == "connected":
-                pushes.append((time.time(), {"connected": True}))
-
-        run_dir = Path(run_root) / f"{handle.name}-layers_{n}-{int(start)}"
-        if progress:
-            progress(f"{handle.name}: running the {n}-layer calibration stage ({reps + 1} micro-batches)")
-        try:
-            co = Coordinator(export_dir, [handle], calibration_batches(manifest, reps + 1), settings, run_dir,
-                             run_id=f"profile-{handle.name}-{int(start)}-{n}", on_event=on_event, links=links)
-            co.run()
-        except RunError as e:
-            raise ProfileError(f"{handle.name}: the {n}-layer calibration stage failed: {e}") from None
-        hello = co.stages[0].client.hello.meta
-        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-        mbs = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind", "micro_batch") == "micro_batch"]
-        win = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind") == "window"]
-        if len(mbs) < reps + 1 or not win:
-            raise ProfileError(f"{handle.name}: the {n}-layer calibration stage reported {len(mbs)} of {reps + 1} "
-                               f"micro-batches; see {run_dir}/metrics.jsonl and the phone's log")
-        ordered = sorted(mbs, key=lambda r: r["micro_batch"])
-        steady = ordered[1:]  # the first one warms the runtime up
-        p1 = statistics.median(r["phase1_end"] - r["phase1_start"] for r in steady)
-        p2 = statistics.median(r["phase2_end"] - r["phase2_start"] for r in steady)
-        # what a micro-batch costs the stage when it never waits: its busy time from one phase 2's
-        # end to the next, less waiting for input. On a CPU budget (a 10 ms quota period) a short
-        # phase may or may not be held back at its quota, and the telemetry, sends and receives
-        # between phases use the quota too: the phases' medians alone miss both.
-        first, last = ordered[0], ordered[-1]
-        busy = ((last["phase2_end"] - first["phase2_end"]) - (last["wait_s"] - first["wait_s"])) / len(steady)
-        # CPU time per micro-batch: the median step of the running total (a garbage collection or a
-        # slow moment of the machine in one micro-batch does not move it)
-        cpu = (statistics.median(b["cpu_s"] - a["cpu_s"] for a, b in zip(ordered, ordered[1:]))
-               if all("cpu_s" in r for r in ordered) else None)
-        busy = paced_busy_s(busy, cpu, hello.get("cpu_share"))
-        scale = busy / (p1 + p2) if p1 + p2 > 0 and busy > 0 else 1.0
-        eager = "eager-torch" in (hello.get("capabilities") or [])
-        chunk = manifest["chunks"][0]
-        runs[n] = {
-            "layers": n,
-            "phase1_s": p1 * scale,  # the busy time, shared out as the phases' medians are
-            "phase2_s": p2 * scale,
-            "phase_median_s": [p1, p2], "busy_s": busy, "cpu_s": cpu,
-            "step_s": paced_busy_s(statistics.median(w["step_s"] for w in win),
-                                   statistics.median(w["step_cpu_s"] for w in win) if all("step_cpu_s" in w for w in win)
-                                   else None, hello.get("cpu_share")),
-            "rss_peak_bytes": max([r.get("rss_peak_bytes") or 0 for r in mbs] + [w.get("rss_peak_bytes") or 0 for w in win]),
-            "pss_runtime_bytes": win[-1].get("pss_runtime_bytes"),
-            "weights": _weight_bytes(export_dir, chunk, eager),
-            "saved_activation_bytes": chunk["saved_activation_bytes"],
-            "link_mbit": _push_rate(pushes, export_dir, manifest),
-        }
-    return build_profile(handle.name, hello, runs, next(iter(cal.values())))
+    run_dir = Path(run_root) / f"{handle.name}-layers_{n}-{int(start)}"
+    if progress:
+        progress(f"{handle.name}: running the {n}-layer calibration stage ({count} micro-batches)")
+    # the stage sends its hidden states downstream, as every stage of a run but the last does
+    # (phones behind adb reach the host through its wiring: they calibrate without one)
+    sink = CalibrationSink(settings.window_size, settings.inflight_depth) if links is None else None
+    try:
+        co = Coordinator(export_dir, [handle], calibration_batches(manifest, count), settings, run_dir,
+                         run_id=f"profile-{handle.name}-{int(start)}-{n}", on_event=on_event, links=links, sink=sink)
+        co.run()
+    except RunError as e:
+        raise ProfileError(f"{handle.name}: the {n}-layer calibration stage failed: {e}") from None
+    finally:
+        if sink is not None:
+            sink.close()
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    mbs = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind", "micro_batch") == "micro_batch"]
+    win = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind") == "window"]
+    if len(mbs) < min(count, 3) or not win:
+        raise ProfileError(f"{handle.name}: the {n}-layer calibration stage reported {len(mbs)} of {count} "
+                           f"micro-batches; see {run_dir}/metrics.jsonl and the phone's log")
+    return {"hello": co.stages[0].client.hello.meta, "mbs": sorted(mbs, key=lambda r: r["micro_batch"]),
+            "windows": win, "pushes": pushes, "manifest": manifest, "export_dir": export_dir, "layers": n}
 
 
-def profile_devices(handles: list, cal: dict[int, Path], run_root: Path, reps: int = 4, links=None,
-                    progress=None) -> list[dict]:
-    """profile_device on every phone at once, one thread each; the profiles in the handles' order.
+def _busy_per_micro_batch(mbs: list[dict], windows: list[dict] = ()) -> float:
+    """What a micro-batch costs the stage when it never waits: its busy time from one phase 2's end
+    to the next, less waiting for input (the telemetry, sends and receives between the phases are
+    the stage's work too) and less the windows' steps in between (the planner adds the step apart)."""
+    first, last = mbs[0], mbs[-1]
+    step = {w["window"]: w["step_s"] for w in windows}
+    steps = sum(step.get(a["window"], 0.0) for a, b in zip(mbs, mbs[1:]) if a["window"] != b["window"])
+    return ((last["phase2_end"] - first["phase2_end"]) - (last["wait_s"] - first["wait_s"]) - steps) / (len(mbs) - 1)
+
+
+def _common_window(stages: list[dict]) -> tuple[float, float]:
+    """The span in which every phone was running its calibration stage, past its warm-up
+    micro-batch: phones that share a machine's cores and caches (emulated ones) are only measured
+    while all of them compute, as they do in a run."""
+    return (max(st["mbs"][1]["phase2_end"] for st in stages), min(st["mbs"][-1]["phase2_end"] for st in stages))
+
+
+def _stage_figures(st: dict, window: tuple[float, float]) -> dict:
+    """One calibration stage's figures, timed on its micro-batches inside `window` (all of them
+    after the warm-up when fewer than four fall inside)."""
+    steady = st["mbs"][1:]  # the first one warms the runtime up
+    inside = [r for r in steady if window[0] <= r["phase2_end"] <= window[1]]
+    timed = inside if len(inside) >= 4 else steady
+    hello, win, export_dir = st["hello"], st["windows"], st["export_dir"]
+    p1 = statistics.median(r["phase1_end"] - r["phase1_start"] for r in timed)
+    p2 = statistics.median(r["phase2_end"] - r["phase2_start"] for r in timed)
+    busy = _busy_per_micro_batch(timed, win) if len(timed) > 1 else p1 + p2
+    # CPU time per micro-batch, beside it: the median step of the running total
+    cpu = (statistics.median(b["cpu_s"] - a["cpu_s"] for a, b in zip(timed, timed[1:]))
+           if len(timed) > 1 and all("cpu_s" in r for r in timed) else None)
+    scale = busy / (p1 + p2) if p1 + p2 > 0 and busy > 0 else 1.0
+    eager = "eager-torch" in (hello.get("capabilities") or [])
+    chunk = st["manifest"]["chunks"][0]
+    return {
+        "layers": st["layers"],
+        "phase1_s": p1 * scale,  # the busy time, shared out as the phases' medians are
+        "phase2_s": p2 * scale,
+        "phase_median_s": [p1, p2], "busy_s": busy, "cpu_s": cpu, "timed_micro_batches": len(timed),
+        # a step is a short sample, which a CPU budget's quota may or may not cut into; its CPU
+        # time / share is what the window's step costs in a run
+        "step_s": paced_busy_s(statistics.median(w["step_s"] for w in win),
+                               statistics.median(w["step_cpu_s"] for w in win) if all("step_cpu_s" in w for w in win)
+                               else None, hello.get("cpu_share")),
+        "rss_peak_bytes": max([r.get("rss_peak_bytes") or 0 for r in st["mbs"]]
+                              + [w.get("rss_peak_bytes") or 0 for w in win]),
+        "pss_runtime_bytes": win[-1].get("pss_runtime_bytes"),
+        "weights": _weight_bytes(export_dir, chunk, eager),
+        "saved_activation_bytes": chunk["saved_activation_bytes"],
+        "link_mbit": _push_rate(st["pushes"], export_dir, st["manifest"]),
+    }
+
+
+def _on_every_phone(handles: list, job) -> list:
+    """job(index, handle) on every phone at once, one thread each; the results in the handles' order.
     The first phone that fails ends it with its ProfileError, once the others are done."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max(len(handles), 1), thread_name_prefix="profile") as pool:
-        futures = [pool.submit(profile_device, h, cal, run_root, reps, links, progress) for h in handles]
+        futures = [pool.submit(job, i, h) for i, h in enumerate(handles)]
         return [f.result() for f in futures]
 
 
+def calibration_counts(paces: list[float], reps: int, most: int = 8) -> list[int]:
+    """Micro-batches per phone so that every phone computes about as long as the slowest one does
+    in `reps` (at most `most` x reps): the phones are then timed side by side, all of them busy."""
+    slowest = max(paces)
+    return [min(most * reps, max(reps, math.ceil(reps * slowest / p))) + 1 if p > 0 else reps + 1 for p in paces]
+
+
+def profile_devices(handles: list, cal: dict[int, Path], run_root: Path, reps: int = 4, links=None,
+                    progress=None) -> list[dict]:
+    """Profile every phone at once; the profiles in the handles' order.
+
+    A short pass of the 1-layer program first tells how fast each phone is; then each calibration
+    program runs on all phones together, the faster ones given more micro-batches so that all of
+    them compute for about the same time, and each phone is timed (wall clock) only while all of
+    them compute: in a run every stage is busy, and phones that share cores and caches (emulated
+    ones on a CPU budget) run slower then, in CPU time per layer and in the share the kernel can
+    give them, than a calibration measured alone or half alone says."""
+    import dataclasses
+
+    handles = [dataclasses.replace(h, restart=None) for h in handles]  # a phone that dies here is reported
+    sizes = sorted(cal)
+    first = sizes[0]
+    pace = _on_every_phone(handles, lambda i, h: _calibration_stage(h, first, cal[first], run_root, reps + 1, links,
+                                                                    progress))
+    counts = calibration_counts([_busy_per_micro_batch(st["mbs"][1:], st["windows"]) if len(st["mbs"]) > 2 else 0.0
+                                 for st in pace], reps)
+    runs: list[dict[int, dict]] = [{} for _ in handles]
+    hellos = [st["hello"] for st in pace]
+    for n in sizes:
+        stages = _on_every_phone(handles, lambda i, h: _calibration_stage(h, n, cal[n], run_root, counts[i], links,
+                                                                          progress))
+        window = _common_window(stages)
+        for i, st in enumerate(stages):
+            runs[i][n] = _stage_figures(st, window)
+            if runs[i][n]["link_mbit"] is None and n == first:  # the files went to the phone in the first pass
+                runs[i][n]["link_mbit"] = _push_rate(pace[i]["pushes"], cal[n], pace[i]["manifest"])
+    return [build_profile(h.name, hellos[i], runs[i], cal[first]) for i, h in enumerate(handles)]
+
+
+def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, links=None, progress=None) -> dict:
+    """profile_devices for one phone."""
+    return profile_devices([handle], cal, run_root, reps, links, progress)[0]
+
+
 def paced_busy_s(wall_s: float, cpu_s: float | None, share: float | None) -> float:
-    """A calibration stage's time per micro-batch as a long run will see it. On a CPU budget the
-    kernel lets the process run `share` of each 10 ms period, so a busy stage advances at its CPU
-    time / share; a dozen micro-batches of a few periods each are held back at their quota or not
-    almost at random (the 0.9-core phone read 0.7 ms a layer where a run takes 2.5), while CPU time
-    does not depend on when the quota cut in. Without a budget (a real phone) the wall time is it."""
+    """A short sample's time as a long run will see it on a CPU budget: the kernel lets the process
+    run `share` of each 10 ms period, so a busy stage advances at its CPU time / share, while one
+    sample of a few periods may be held back at its quota or not almost at random. Without a
+    budget (a real phone) the wall time is it."""
     if share and cpu_s:
         return cpu_s / share
     return wall_s

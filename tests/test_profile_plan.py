@@ -52,8 +52,11 @@ def test_profile_two_emulated_phones(profiled, capsys):
     # both phones were profiled at once (a run keeps them all busy): their calibration stages overlap
     spans = {}
     for d in (out / "runs").iterdir():
-        ends = [json.loads(line)["phase2_end"] for line in (d / "metrics.jsonl").read_text().splitlines()
-                if '"phase2_end"' in line]
+        mbs = [r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "phase2_end" in r]
+        ends = [r["phase2_end"] for r in mbs]
+        # each calibration stage sent its hidden states downstream (to the host's sink), as a stage
+        # with a next one does in a run
+        assert all(r["bytes_out"] > 0 for r in mbs), d
         name = d.name.split("-")[0]
         lo, hi = spans.get(name, (min(ends), max(ends)))
         spans[name] = (min(lo, *ends), max(hi, *ends))
@@ -265,3 +268,63 @@ def test_a_budgeted_phone_is_paced_by_its_cpu_time():
     assert paced_busy_s(0.0143, 0.0300, None) == 0.0143
     assert paced_busy_s(0.0143, None, 0.9) == 0.0143  # a phone that does not report CPU time
 
+
+
+def test_calibration_gives_faster_phones_more_micro_batches():
+    """Every phone computes about as long as the slowest: 3x as fast, 3x the micro-batches (plus the
+    warm-up one), never fewer than reps, never more than 8 x reps."""
+    from host.profile import calibration_counts
+
+    assert calibration_counts([0.060, 0.020, 0.030], reps=24) == [25, 73, 49]
+    assert calibration_counts([1.0, 0.01], reps=4) == [5, 33]          # capped at 8 x reps
+    assert calibration_counts([0.05, 0.0], reps=4) == [5, 5]           # no pace measured: reps
+
+
+def _calibration_telemetry(period_s, count, window, step_s, start=100.0, wait_every=0.0):
+    """Micro-batch and window telemetry of a calibration stage that finishes a micro-batch every
+    period_s and steps after every `window` of them (step_s each)."""
+    mbs, wins, t, wait = [], [], start, 0.0
+    for i in range(count):
+        t += period_s
+        wait += wait_every
+        t += wait_every
+        mbs.append({"micro_batch": i, "window": i // window, "phase1_start": t - period_s, "phase1_end": t - period_s / 2,
+                    "phase2_start": t - period_s / 2, "phase2_end": t, "wait_s": wait, "cpu_s": i * period_s})
+        if (i + 1) % window == 0:
+            wins.append({"window": i // window, "step_s": step_s, "step_cpu_s": step_s, "seconds": 1.0})
+            t += step_s
+    return mbs, wins
+
+
+def test_busy_time_leaves_out_waits_and_the_windows_steps():
+    from host.profile import _busy_per_micro_batch
+
+    mbs, wins = _calibration_telemetry(0.010, 17, window=4, step_s=0.050, wait_every=0.003)
+    assert _busy_per_micro_batch(mbs, wins) == pytest.approx(0.010)
+    # without the window records the steps count as micro-batch time: what the fix is for
+    assert _busy_per_micro_batch(mbs) == pytest.approx(0.010 + 4 * 0.050 / 16)
+
+
+def test_phones_are_timed_only_while_all_of_them_compute(tmp_path, monkeypatch):
+    """Two phones' calibration stages: the slow one runs on alone after the fast one is done (and
+    faster then: 20 ms instead of 30). Only the span both ran in times it."""
+    from host.profile import _common_window, _stage_figures
+
+    fast_mbs, fast_win = _calibration_telemetry(0.010, 21, window=4, step_s=0.0)
+    slow_mbs, slow_win = _calibration_telemetry(0.030, 9, window=4, step_s=0.0)
+    alone, _ = _calibration_telemetry(0.020, 8, window=4, step_s=0.0, start=slow_mbs[-1]["phase2_end"])
+    slow_mbs += [{**r, "micro_batch": r["micro_batch"] + 9, "window": r["window"] + 3,
+                  "wait_s": slow_mbs[-1]["wait_s"]} for r in alone]
+    manifest = {"chunks": [{"saved_activation_bytes": 1000, "weights": "w.ptd"}], "files": []}
+
+    def stage(mbs, win):
+        return {"hello": {}, "mbs": mbs, "windows": win, "pushes": [], "manifest": manifest,
+                "export_dir": tmp_path, "layers": 1}
+
+    stages = [stage(fast_mbs, fast_win), stage(slow_mbs, slow_win)]
+    window = _common_window(stages)
+    assert window == (pytest.approx(100.060), pytest.approx(100.210))
+    monkeypatch.setattr("host.profile._weight_bytes", lambda *a: {"embed": 0, "readout": 0, "layers": 0})
+    slow, fast = _stage_figures(stages[1], window), _stage_figures(stages[0], window)
+    assert slow["busy_s"] == pytest.approx(0.030) and slow["timed_micro_batches"] == 6
+    assert fast["busy_s"] == pytest.approx(0.010)
