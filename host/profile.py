@@ -153,7 +153,7 @@ def _dtype_bytes(dtype: str) -> int:
 
 # ---------------------------------------------------------------- calibration stages
 def _calibration_stage(handle, n: int, export_dir: Path, run_root: Path, count: int, links=None,
-                       progress=None) -> dict:
+                       progress=None, label: str = "timed") -> dict:
     """Run the n-layer calibration program on one phone as a one-stage pipeline of `count`
     micro-batches; its HELLO, its telemetry and the file pushes' times."""
     from exporter.manifest import load_manifest
@@ -178,7 +178,10 @@ def _calibration_stage(handle, n: int, export_dir: Path, run_root: Path, count: 
         elif kind == "connected":
             pushes.append((time.time(), {"connected": True}))
 
-    run_dir = Path(run_root) / f"{handle.name}-layers_{n}-{int(start)}"
+    # one run id per stage run: a phone keeps its running stage for a STAGE_ASSIGN of the same run id
+    # (a rewire), so the pace pass and the timed pass of the same program must not share one
+    run_id = f"profile-{handle.name}-layers_{n}-{label}-{int(start)}"
+    run_dir = Path(run_root) / run_id.removeprefix("profile-")
     if progress:
         progress(f"{handle.name}: running the {n}-layer calibration stage ({count} micro-batches)")
     # the stage sends its hidden states downstream, as every stage of a run but the last does
@@ -186,7 +189,7 @@ def _calibration_stage(handle, n: int, export_dir: Path, run_root: Path, count: 
     sink = CalibrationSink(settings.window_size, settings.inflight_depth) if links is None else None
     try:
         co = Coordinator(export_dir, [handle], calibration_batches(manifest, count), settings, run_dir,
-                         run_id=f"profile-{handle.name}-{int(start)}-{n}", on_event=on_event, links=links, sink=sink)
+                         run_id=run_id, on_event=on_event, links=links, sink=sink)
         co.run()
     except RunError as e:
         raise ProfileError(f"{handle.name}: the {n}-layer calibration stage failed: {e}") from None
@@ -288,7 +291,7 @@ def profile_devices(handles: list, cal: dict[int, Path], run_root: Path, reps: i
     sizes = sorted(cal)
     first = sizes[0]
     pace = _on_every_phone(handles, lambda i, h: _calibration_stage(h, first, cal[first], run_root, reps + 1, links,
-                                                                    progress))
+                                                                    progress, label="pace"))
     counts = calibration_counts([_busy_per_micro_batch(st["mbs"][1:], st["windows"]) if len(st["mbs"]) > 2 else 0.0
                                  for st in pace], reps)
     runs: list[dict[int, dict]] = [{} for _ in handles]

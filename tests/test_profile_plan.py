@@ -62,6 +62,11 @@ def test_profile_two_emulated_phones(profiled, capsys):
         spans[name] = (min(lo, *ends), max(hi, *ends))
     (a0, a1), (b0, b1) = spans["emu0"], spans["emu1"]
     assert a0 < b1 and b0 < a1, spans
+    # a pace pass of the 1-layer program, then both programs timed: three stage runs per phone, each
+    # its own run (a phone keeps its running stage for a second STAGE_ASSIGN of the same run id)
+    for name in ("emu0", "emu1"):
+        runs = sorted(d.name.split("-")[1:3] for d in (out / "runs").iterdir() if d.name.startswith(name + "-"))
+        assert runs == [["layers_1", "pace"], ["layers_1", "timed"], ["layers_3", "timed"]], runs
 
 
 def test_calibration_layers_are_far_apart_within_the_model():
