@@ -230,7 +230,9 @@ def test_a_budgeted_phone_gets_its_share_during_a_run(one_stage_export, tmp_path
     _measured_share(one_stage_export, tmp_path, 0.3, got, "alone")
     r = got["alone"]
     print("measured", got)
-    assert r["wall_s"] > 2.0, r  # long enough to read the share to well under 10%
+    # long enough to read the share to well under 10%: 150 quota periods of 10 ms (the window is 96
+    # micro-batches, 1.9-3 s as fast as this machine has run them)
+    assert r["wall_s"] > 1.5, r
     assert abs(r["share"] - 0.3) <= 0.03, r
     # and the cap is what held it there, not a busy machine: most of its periods ended at the quota
     assert r["throttled"] is not None and r["throttled"] > 0.5, r
