@@ -307,11 +307,6 @@ def profile_devices(handles: list, cal: dict[int, Path], run_root: Path, reps: i
     return [build_profile(h.name, hellos[i], runs[i], cal[first]) for i, h in enumerate(handles)]
 
 
-def profile_device(handle, cal: dict[int, Path], run_root: Path, reps: int = 4, links=None, progress=None) -> dict:
-    """profile_devices for one phone."""
-    return profile_devices([handle], cal, run_root, reps, links, progress)[0]
-
-
 def paced_busy_s(wall_s: float, cpu_s: float | None, share: float | None) -> float:
     """A short sample's time as a long run will see it on a CPU budget: the kernel lets the process
     run `share` of each 10 ms period, so a busy stage advances at its CPU time / share, while one

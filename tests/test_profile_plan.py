@@ -244,7 +244,7 @@ def test_profile_fit_when_noise_hides_the_layer_cost_keeps_the_one_layer_time(tm
     prof = build_profile("p", {"memory_bytes": 8 << 30}, {1: run(1, 0.006, 0.053), 3: run(3, 0.003, 0.046)}, tmp_path)
     m = phone_model(prof, window_size=4)
     assert m.fixed_s + m.layer_s == pytest.approx(0.006 + 0.053)
-    # with the stages' busy time per micro-batch (as profile_device measures it) the planner's
+    # with the stages' busy time per micro-batch (as profile_devices measures it) the planner's
     # cost is fitted on that, whatever the phases' own slopes: here 1.8 ms a layer, 7 ms fixed
     runs = {1: {**run(1, 0.006, 0.053), "busy_s": 0.0088}, 3: {**run(3, 0.003, 0.046), "busy_s": 0.0124}}
     m = phone_model(build_profile("p", {"memory_bytes": 8 << 30}, runs, tmp_path), window_size=4)
