@@ -29,7 +29,7 @@ def worker(export: Path, chunk: int, steps: int, out: Path) -> None:
     from bench.export_tinyllama import _batch  # the sample micro-batch that bench times its steps on
     from exporter.manifest import load_manifest
     from exporter.verify import sample_lora
-    from zl_mobile.program import ChunkProgram
+    from zl_common.program import ChunkProgram
     from zl_mobile.telemetry import read_pss_by_backing
 
     manifest = load_manifest(export, check_files=False)

@@ -30,7 +30,7 @@ import threading  # noqa: E402
 if threading.current_thread() is threading.main_thread():
     signal.signal(signal.SIGTERM, _interrupt)
 
-from zl_mobile.quiet import quiet_libraries  # noqa: E402
+from zl_common.quiet import quiet_libraries  # noqa: E402
 
 quiet_libraries()  # a benchmark's terminal shows its figures, not torchao's or transformers' noise
 
@@ -124,7 +124,7 @@ def bench_micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int
     """n micro-batches of the synthetic data set, tokenised with the export's tokenizer."""
     from transformers import AutoTokenizer
 
-    from host.data import load_examples, tokenized_microbatches
+    from zl_common.data import load_examples, tokenized_microbatches
 
     tok = AutoTokenizer.from_pretrained(Path(export_dir) / "tokenizer")
     return tokenized_microbatches(load_examples(None)[: n * micro_batch], tok, seq_len, micro_batch)

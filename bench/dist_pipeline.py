@@ -3,7 +3,7 @@
 
     python bench/dist_pipeline.py --program build/tiny --steps 6 --window 4 [--torch-device cuda]
 
-Runs `torchrun --nproc-per-node K -m zl_mobile.dist --schedule zerolock,gpipe,1f1b,zerobubble`
+Runs `torchrun --nproc-per-node K -m host.dist --schedule zerolock,gpipe,1f1b,zerobubble`
 (K = the export's chunks) and reads each schedule's run directory. Reports per schedule:
   throughput   samples/s of the last stage over the windows after the first (warm-up left out)
   peak RSS     per rank, the largest window peak (VmHWM reset per micro-batch / window)
@@ -76,7 +76,7 @@ def main(argv=None) -> int:
     out = Path(a.out or f"/tmp/zl_dist_bench_{os.getpid()}")
     device = "cuda:0" if a.share_gpu else a.torch_device
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(k), "--master-addr", "127.0.0.1",
-           "--master-port", str(_port()), "-m", "zl_mobile.dist", "--program", str(a.program), "--steps", str(a.steps),
+           "--master-port", str(_port()), "-m", "host.dist", "--program", str(a.program), "--steps", str(a.steps),
            "--window", str(a.window), "--threads", str(a.threads), "--torch-device", device, "--wire", a.wire,
            "--schedule", a.schedules, "--out", str(out)] + (["--data", a.data] if a.data else [])
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(a.threads)}

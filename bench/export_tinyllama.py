@@ -60,8 +60,8 @@ def _runtime_imports():
     from exporter.chunk_model import example_inputs, input_names
     from exporter.config import ExportConfig
     from exporter.verify import sample_lora
-    from zl_mobile.et_runtime import runtime
-    from zl_mobile.program import ChunkProgram
+    from zl_common.et_runtime import runtime
+    from zl_common.program import ChunkProgram
     return runtime(), example_inputs, input_names, ExportConfig, sample_lora, ChunkProgram
 
 
@@ -176,7 +176,7 @@ def worker(a) -> dict:
 
 def profile(a, manifest, entry, batch, lora) -> dict:
     """One step with ETDump on: time per operator (delegated XNNPACK blocks vs portable kernels)."""
-    from zl_mobile.program import ChunkProgram
+    from zl_common.program import ChunkProgram
 
     prog = ChunkProgram(Path(a.dir), entry, in_place=True, etdump=True)
     for _ in range(2):  # the first step warms up (XNNPACK weight packing etc.); both are recorded
@@ -309,8 +309,8 @@ def interleaved_times(chunk, manifest, entry, export_dir: Path, steps: int, warm
 
     from exporter.chunk_model import peft_name
     from exporter.verify import sample_lora
-    from zl_mobile.et_runtime import runtime
-    from zl_mobile.program import ChunkProgram
+    from zl_common.et_runtime import runtime
+    from zl_common.program import ChunkProgram
 
     torch.set_num_threads(threads)
     runtime()._unsafe_reset_threadpool(threads)
@@ -528,7 +528,7 @@ def markdown(rows, meta) -> str:
         f"(pybindings); {rows[0]['threads']} threads for both torch and the ExecuTorch threadpool "
         f"(`_unsafe_reset_threadpool`). Last run: {meta['date']}, commit {meta.get('git')}. {_load_note(rows)}",
         "- Step time: median over the timed steps (after 1 warm-up); ExecuTorch step = phase1 + phase2 "
-        "(`zl_mobile.program.ChunkProgram`), eager = the same `ChunkModel` forward + `loss.backward()`, "
+        "(`zl_common.program.ChunkProgram`), eager = the same `ChunkModel` forward + `loss.backward()`, "
         "same batch and LoRA values. **Alone**: each runtime in a fresh process of its own (a phone runs "
         "only ExecuTorch), the two in turn, `rounds` times (so a drift of the machine's speed hits both); "
         "ratio = the median of the rounds' ratios, and the target (ET <= 1.5x eager) is judged on it. "

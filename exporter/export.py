@@ -388,7 +388,7 @@ def _readout_lenses(model, ranges, cfg: ExportConfig, tmp: Path, calibration, le
 def _calibration_batches(tok_dir: Path, calibration, cfg: ExportConfig) -> list:
     from transformers import AutoTokenizer
 
-    from host.data import DataError, load_examples, tokenized_microbatches
+    from zl_common.data import DataError, load_examples, tokenized_microbatches
 
     if not tok_dir.is_dir():
         raise ExportError("--readout lens needs the model's tokenizer to read calibration text; "

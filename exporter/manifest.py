@@ -14,7 +14,7 @@ class ManifestError(Exception):
     """An export directory that is missing, incomplete, or whose files do not match."""
 
 
-from zl_mobile.hashing import sha256_file  # noqa: E402  (one implementation, re-exported here)
+from zl_common.hashing import sha256_file  # noqa: E402  (one implementation, re-exported here)
 
 
 def file_entry(root: Path, path: Path) -> dict:
@@ -58,7 +58,7 @@ def load_manifest(root: Path, check_files: bool = True) -> dict:
 
 def chunk_entry_for(chunk: dict, mode: str = "zerolock") -> dict:
     """The chunk entry with program, weights and methods of the given mode, as
-    zl_mobile.program.ChunkProgram takes it: "zerolock" (the entry itself) or "bp" (the entry
+    zl_common.program.ChunkProgram takes it: "zerolock" (the entry itself) or "bp" (the entry
     with its "bp" object's fields laid over it)."""
     if mode == "bp":
         if "bp" not in chunk:

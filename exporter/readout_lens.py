@@ -67,7 +67,7 @@ def key(after_layer: int) -> str:
 def fit_model_lenses(model, batches, after_layers, ridge: float = DEFAULT_RIDGE, progress=None) -> tuple[dict, int]:
     """{after_layer: (A, b)} for each boundary in `after_layers` (EMBEDDING for the embedding),
     fitted to the final norm's output over every real token of `batches` (dicts with input_ids and
-    attention_mask, as host.data.make_microbatches gives); and the number of positions used."""
+    attention_mask, as zl_common.data.make_microbatches gives); and the number of positions used."""
     cfg = model.config
     fits = {i: LensFit(cfg.hidden_size, cfg.rms_norm_eps) for i in after_layers}
     for n, b in enumerate(batches):

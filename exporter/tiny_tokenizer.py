@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, normalizers, pre_tokenizers, processors
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from host.data.synthetic import synthetic_vocabulary
+from zl_common.data.synthetic import synthetic_vocabulary
 
 # vocab_size of the built-in tiny model; the tokenizer may use fewer ids.
 TINY_VOCAB_SIZE = 512

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from zl_mobile.program import ChunkProgram
+from zl_common.program import ChunkProgram
 
 from .chunk_model import PROBE, PROBE_GRAD, bp_example_inputs, bp_input_names, example_inputs, input_names
 from .errors import VerifyError

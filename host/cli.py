@@ -46,7 +46,7 @@ def cmd_devices(a) -> int:
 
 
 def cmd_emulate(a) -> int:
-    from .emulate import start_phones
+    from .emulate import cpu_shares, start_phones
     from .devices import PHONES_HOME
 
     shares = cpu_shares(a.cpu_share, a.n)
@@ -68,27 +68,11 @@ def cmd_emulate(a) -> int:
     return 0
 
 
-def cpu_shares(text: str | None, n: int) -> list[float] | None:
-    """--cpu-share F|F1,...,Fn for n emulated phones (None: unbudgeted); checked before anything starts."""
-    if text is None:
-        return None
-    from zl_mobile.cpu_budget import CpuBudgetError, parse_shares, unavailable
-
-    try:
-        shares = parse_shares(text, n)
-    except CpuBudgetError as e:
-        raise CliError(str(e)) from None
-    why = unavailable()
-    if why is not None:
-        raise CliError(f"--cpu-share: {why}")
-    return shares
-
-
 # ---------------------------------------------------------------- data
 def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: bool = True):
     from transformers import AutoTokenizer
 
-    from .data import DataError, check_loss_positions, check_rejected, load_examples, tokenized_microbatches
+    from zl_common.data import DataError, check_loss_positions, check_rejected, load_examples, tokenized_microbatches
 
     tok_dir = export_dir / "tokenizer"
     if not tok_dir.is_dir():
@@ -228,7 +212,7 @@ def cmd_run(a) -> int:
     # a resumed run keeps its links (and takes over the namespaces its phones are in)
     emulated_links = EmulatedLinks(**saved.get("link") or {}) if a.resume else EmulatedLinks(a.link_mbit, a.link_delay_ms)
     if devices_spec.startswith("emulated:"):
-        from .emulate import EmulatedPhone, start_phones
+        from .emulate import EmulatedPhone, cpu_shares, start_phones
         from .netns import NetnsError
 
         n = emulated_count(devices_spec)
@@ -515,7 +499,7 @@ def _interrupt(signum, frame):
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
-    from zl_mobile.quiet import quiet_libraries
+    from zl_common.quiet import quiet_libraries
 
     quiet_libraries()  # torchao's, torch's and transformers' messages that are not the user's concern
     # SIGTERM (kill, a service manager, a CI timeout) ends a run as Ctrl-C does: phones stopped, adb

@@ -415,4 +415,4 @@ class Coordinator:
                 "seconds": time.time() - self.started, "errors": self.errors}
 
 
-from zl_mobile.hashing import sha256_file as _sha  # noqa: E402
+from zl_common.hashing import sha256_file as _sha  # noqa: E402

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .cli_error import CliError
+
 if TYPE_CHECKING:
     from .netns import PhoneNet, ShapedNetwork
 
@@ -231,3 +233,19 @@ def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_p
             p.stop()
         raise
     return phones
+
+
+def cpu_shares(text: str | None, n: int) -> list[float] | None:
+    """--cpu-share F|F1,...,Fn for n emulated phones (None: unbudgeted); checked before anything starts."""
+    if text is None:
+        return None
+    from zl_mobile.cpu_budget import CpuBudgetError, parse_shares, unavailable
+
+    try:
+        shares = parse_shares(text, n)
+    except CpuBudgetError as e:
+        raise CliError(str(e)) from None
+    why = unavailable()
+    if why is not None:
+        raise CliError(f"--cpu-share: {why}")
+    return shares

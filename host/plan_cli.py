@@ -108,7 +108,7 @@ def cmd_profile(a) -> int:
                 raise CliError(f"--devices {a.devices!r}: expected emulated:N with N a number") from None
             limits = parse_list(a.mem_limit, n, "memory limit", "--mem-limit")
             check_mem_limits(limits)
-            from .cli import cpu_shares
+            from .emulate import cpu_shares
             shares = cpu_shares(a.cpu_share, n)
             say(f"starting {n} emulated phones")
             phones = start_phones(n, out / "phones", extra_args=["--mdns", "none"],

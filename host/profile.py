@@ -112,7 +112,7 @@ def export_calibration(model: str, export: dict, out: Path, progress=None) -> di
 
 def calibration_batches(manifest: dict, count: int, seed: int = 0) -> list[dict]:
     """Micro-batches of random tokens with exactly as many targets as the program's readout rows
-    (the readout runs full; more would be refused: host.data.check_loss_positions)."""
+    (the readout runs full; more would be refused: zl_common.data.check_loss_positions)."""
     e = manifest["export"]
     b, s, vocab = e["micro_batch"], e["seq_len"], manifest["model"]["config"]["vocab_size"]
     rows = e.get("readout_rows") or e.get("loss_positions") or b * s
@@ -120,7 +120,7 @@ def calibration_batches(manifest: dict, count: int, seed: int = 0) -> list[dict]
     out = []
     for _ in range(count):
         ids = rng.integers(4, vocab, size=(b, s), dtype=np.int64)
-        labels = np.full(b * s, -100, np.int64)  # host.data.IGNORE_INDEX
+        labels = np.full(b * s, -100, np.int64)  # zl_common.data.IGNORE_INDEX
         labels[b * s - rows:] = np.roll(ids, -1, axis=1).reshape(-1)[b * s - rows:]
         out.append({"input_ids": ids, "attention_mask": np.ones((b, s), np.int64),
                     "position_ids": np.broadcast_to(np.arange(s, dtype=np.int64), (b, s)).copy(),

@@ -79,7 +79,7 @@ def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int 
     """Synthetic-task micro-batches tokenised with the export's tokenizer."""
     from transformers import AutoTokenizer
 
-    from host.data import encode_examples, load_examples, make_microbatches
+    from zl_common.data import encode_examples, load_examples, make_microbatches
 
     tok = AutoTokenizer.from_pretrained(export_dir / "tokenizer")
     examples = load_examples(None)[:n_examples]
@@ -122,7 +122,7 @@ def build_bpe_tokenizer(vocab_size: int = 384):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from host.data.synthetic import synthetic_examples
+    from zl_common.data.synthetic import synthetic_examples
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -345,7 +345,7 @@ def test_named_adb_phone_without_token(adb_server, small_export, tmp_path, capsy
 # ------------------------------------------------------------------ whole runs
 
 def _data_file(root: Path) -> Path:
-    from host.data import synthetic_examples
+    from zl_common.data import synthetic_examples
 
     path = root / "train.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(24, seed=5)))

@@ -77,7 +77,7 @@ def test_any_speed_ratio_and_failure_point_ends_with_the_uninterrupted_lora(shor
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    from host.data import synthetic_examples
+    from zl_common.data import synthetic_examples
 
     path = tmp_path_factory.mktemp("data") / "train.jsonl"
     path.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(40, seed=3)))

@@ -92,7 +92,7 @@ def test_int8_training_loss_stays_close_to_fp32(small_export, small_export_int8)
     """The quantized base computes nearly the fp32 model's local loss and LoRA gradients."""
     from exporter.verify import sample_lora
     from tests.test_export_bp import _batch
-    from zl_mobile.program import ChunkProgram
+    from zl_common.program import ChunkProgram
 
     (out32, m32, _, cfg), (out8, m8, _, _) = small_export, small_export_int8
     b = {**_batch(cfg, 512, seed=3), "alpha": torch.tensor([cfg.alpha])}

@@ -144,7 +144,7 @@ def test_a_jsonl_file_with_most_rows_bad_is_refused_with_the_rows_shown(small_ex
 def test_a_jsonl_file_with_a_few_bad_rows_is_warned_about(small_export, tmp_path, capsys):
     from exporter.manifest import load_manifest
     from host.cli import prepare_data
-    from host.data import synthetic_examples
+    from zl_common.data import synthetic_examples
 
     data = tmp_path / "rows.jsonl"
     rows = [json.dumps(e) for e in synthetic_examples(9, seed=1)]

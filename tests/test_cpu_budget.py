@@ -258,7 +258,7 @@ def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp
 
 def test_zl_host_run_budgets_its_phones_and_the_report_shows_it(small_export, tmp_path):
     from host.cli import main
-    from host.data import synthetic_examples
+    from zl_common.data import synthetic_examples
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(16, seed=3)))
@@ -287,7 +287,7 @@ def test_zl_host_run_budgets_its_phones_and_the_report_shows_it(small_export, tm
 def test_budgets_are_for_emulated_phones_only(one_stage_export, tmp_path, capsys):
     from host.cli import main
 
-    from host.data import synthetic_examples
+    from zl_common.data import synthetic_examples
 
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(e) + "\n" for e in synthetic_examples(8, seed=3)))

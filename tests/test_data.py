@@ -1,4 +1,4 @@
-"""host.data (synthetic set, loaders, encoding, micro-batches), exporter.tiny_tokenizer and
+"""zl_common.data (synthetic set, loaders, encoding, micro-batches), exporter.tiny_tokenizer and
 zl_mobile.readout."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer, tiny_vocab
-from host.data import (DEFAULT_SYNTHETIC_N, IGNORE_INDEX, LABELS, DataError, encode_examples,
+from zl_common.data import (DEFAULT_SYNTHETIC_N, IGNORE_INDEX, LABELS, DataError, encode_examples,
                        load_examples, make_microbatches, synthetic_examples,
                        synthetic_vocabulary)
 from zl_mobile.readout import readout_positions

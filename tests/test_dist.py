@@ -1,4 +1,4 @@
-"""ZeroLock stages as torch.distributed ranks (zl_mobile.dist) and the BP baselines through
+"""ZeroLock stages as torch.distributed ranks (host.dist) and the BP baselines through
 torch.distributed.pipelining, under real torchrun with Gloo on CPU: 3 ranks, the small model's
 three one-layer chunks, one thread per rank. CUDA ranks and NCCL (--wire device) are not run here
 (no GPU on this machine); bench/dist_pipeline_gpu.sh runs them where one is."""
@@ -32,7 +32,7 @@ def _port() -> int:
 def _torchrun(export, data, out: Path, *extra, max_restarts: int = 0, timeout: int = 420):
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr", "127.0.0.1",
-           "--master-port", str(_port()), "--max-restarts", str(max_restarts), "-m", "zl_mobile.dist",
+           "--master-port", str(_port()), "--max-restarts", str(max_restarts), "-m", "host.dist",
            "--program", str(export), "--data", str(data), "--steps", str(WINDOWS), "--window", str(WINDOW),
            "--threads", "1", "--out", str(out), *extra]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -52,7 +52,7 @@ def _records(run_dir: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory) -> Path:
     """The synthetic set as JSONL (the small model is not --model tiny, so --data is needed)."""
-    from host.data import load_examples
+    from zl_common.data import load_examples
 
     path = tmp_path_factory.mktemp("dist_data") / "synthetic.jsonl"
     path.write_text("".join(json.dumps({"prompt": e["prompt"], "completion": e["completion"]}) + "\n"
@@ -69,7 +69,7 @@ def dist_runs(small_export, data_file, tmp_path_factory):
 
 
 def _train(export, data):
-    from zl_mobile.dist import load_run_inputs
+    from host.dist import load_run_inputs
 
     a = Namespace(program=str(export), data=str(data), steps=WINDOWS, window=WINDOW, micro_batches=None, epochs=None)
     manifest, train, windows = load_run_inputs(a)
@@ -199,7 +199,10 @@ def test_killed_rank_restarts_to_the_uninterrupted_lora(dist_runs, small_export,
     resumed = [r for r in recs if r["type"] == "DIST_RESUME" and r["incarnation"] == 1]
     assert len(resumed) == 3
     committed = resumed[0]["committed_windows"]
-    assert committed[2] == -1 and committed[1] >= 0 and committed[0] >= committed[1]  # a gap rank 1 must fill
+    # the failure point makes the gap rank 1 must fill: rank 2 dies only once window 1's first h_1
+    # has arrived, which rank 1 sends after committing window 0 (and rank 0 after its own window 0).
+    # How far ranks 0 and 1 got beyond that is the machine's timing, not the test's business.
+    assert committed[2] == -1 and committed[1] >= 0 and committed[0] >= 0
     tel = [r for r in recs if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
     count = lambda k, mb: sum(1 for r in tel if r["stage"] == k and r["micro_batch"] == mb)  # noqa: E731
     assert [count(2, mb) for mb in range(WINDOW)] == [2] * WINDOW  # rank 2 redid window 0 ...
@@ -215,11 +218,11 @@ def test_launcher_refuses_bad_options(small_export, data_file, tmp_path):
     """Outside torchrun, or with a schedule it does not have: one line naming the fix, exit 2."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RANK", None)
-    r = subprocess.run([sys.executable, "-m", "zl_mobile.dist", "--program", str(small_export[0]), "--data",
+    r = subprocess.run([sys.executable, "-m", "host.dist", "--program", str(small_export[0]), "--data",
                         str(data_file), "--out", str(tmp_path / "x")], env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 2 and "not started by torchrun" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "zl_mobile.dist", "--program", str(small_export[0]), "--data",
+    r = subprocess.run([sys.executable, "-m", "host.dist", "--program", str(small_export[0]), "--data",
                         str(data_file), "--out", str(tmp_path / "x"), "--schedule", "pipedream"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--schedule 'pipedream'" in r.stderr

@@ -11,7 +11,7 @@ from exporter.lower import joint_program
 from exporter.manifest import ManifestError, chunk_entry_for, load_manifest
 from exporter.two_phase import split_at_marker
 from exporter.verify import bp_zero_probe, run_named, sample_lora, verify_all
-from zl_mobile.program import ChunkProgram
+from zl_common.program import ChunkProgram
 
 from .conftest import SMALL_CHUNKS, matmul_flops, small_export_config
 

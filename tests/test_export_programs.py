@@ -11,7 +11,7 @@ from exporter.lower import joint_program, lower_joint
 from exporter.manifest import load_manifest
 from exporter.two_phase import split_at_marker
 from exporter.verify import failures, sample_lora, verify_all, verify_chunk
-from zl_mobile.program import ChunkProgram
+from zl_common.program import ChunkProgram
 from .conftest import matmul_flops
 
 
@@ -120,7 +120,7 @@ def test_phase2_reads_phase1_outputs_in_place(small_export):
     """Phase 2's inputs have no planned storage, so an in-place ChunkProgram hands it phase 1's
     outputs where phase 1 wrote them (no copy) with the same numbers; a phase 2 on outputs that
     a later phase 1 overwrote is refused."""
-    from zl_mobile.program import ProgramError
+    from zl_common.program import ProgramError
 
     out, manifest, artifacts, cfg = small_export
     entry = manifest["chunks"][1]

@@ -167,7 +167,7 @@ def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_e
     from exporter.chunk_model import example_inputs, input_names, peft_name
     from exporter.verify import (FLOOR, _as64, _float64, eager_outputs, failures, judge, program_outputs, sample_lora,
                                  verify_chunk)
-    from zl_mobile.program import ChunkProgram
+    from zl_common.program import ChunkProgram
 
     out, _ = gguf_export
     path, model = gguf_llama
@@ -243,7 +243,7 @@ def test_eval_and_the_peft_adapter_use_the_gguf_base(gguf_export, gguf_llama, tm
     from exporter.model_source import load_base_model
     from exporter.verify import sample_lora
     from host.adapter import base_model_path, write_peft_adapter
-    from host.data.synthetic import synthetic_examples
+    from zl_common.data.synthetic import synthetic_examples
 
     out, _ = gguf_export
     path, model = gguf_llama
@@ -277,7 +277,7 @@ def test_the_runtime_still_reports_its_errors(gguf_export):
     """Quieting ExecuTorch's Info messages keeps its Error ones: a method run without its inputs
     says so on stderr."""
     out, _ = gguf_export
-    code = ("import json, sys; from pathlib import Path; from zl_mobile.program import ChunkProgram\n"
+    code = ("import json, sys; from pathlib import Path; from zl_common.program import ChunkProgram\n"
             f"out = Path({str(out)!r}); m = json.loads((out / 'manifest.json').read_text())\n"
             "p = ChunkProgram(out, m['chunks'][1])\n"
             "try:\n    p._module.run_method('phase1', ())\nexcept RuntimeError:\n    sys.exit(3)\n")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from host.cli import main
-from host.data import synthetic_examples
+from zl_common.data import synthetic_examples
 from host.emulate import start_phones
 from zl_mobile.processes import pid_alive
 

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from host.cli import main
-from host.data import synthetic_examples
+from zl_common.data import synthetic_examples
 from host.drift import DriftWatch, describe
 
 MiB = 2**20

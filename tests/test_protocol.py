@@ -16,7 +16,7 @@ import torch
 from zl_mobile.protocol import (DEFAULT_MAX_FRAME, HEADER_SIZE, PREAUTH_MAX_FRAME, ConnectionClosed,
                                 DeviceAuth, ErrorCode, FrameDecoder, HostHandshake, Message, MsgType,
                                 ProtocolError, RateLimiter, bf16_from_float32, bf16_to_float32,
-                                decode_message, device_handshake, device_proof, encode_message,
+                                decode_message, device_handshake, device_proof, encode_message, error_reply,
                                 from_torch, host_handshake, host_proof, new_token, recv_message,
                                 send_message, to_torch)
 from zl_mobile.protocol.frames import encode_header
@@ -188,7 +188,7 @@ def test_encoder_refuses_invalid_messages(msg, fragment):
 def test_error_message_round_trip():
     err = ProtocolError(ErrorCode.BUSY, "device already\nserves a host")
     assert "\n" not in err.message
-    got = decode_message(encode_message(err.to_message(request_id=3)))
+    got = decode_message(encode_message(error_reply(err, request_id=3)))
     assert got.meta == {"code": "BUSY", "message": "device already serves a host", "request_id": 3}
     assert ErrorCode.parse("NO_SUCH_CODE") == ErrorCode.INTERNAL
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from host.data import DataError, check_loss_positions
+from zl_common.data import DataError, check_loss_positions
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 from zl_mobile.accumulate import WindowGradients

@@ -1,4 +1,4 @@
-"""The WordNet task (host/data/wordnet.py): noun glosses labelled by lexicographer category, read
+"""The WordNet task (zl_common/data/wordnet.py): noun glosses labelled by lexicographer category, read
 from a fixture in WordNet's data.noun format and from Debian's wordnet-base (.ci/run installs it)."""
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from exporter.tiny_tokenizer import build_tiny_tokenizer
-from host.data import DataError, encode_examples, load_examples, wordnet_splits
-from host.data.wordnet import DEFAULT_DIR, read_noun_glosses
+from zl_common.data import DataError, encode_examples, load_examples, wordnet_splits
+from zl_common.data.wordnet import DEFAULT_DIR, read_noun_glosses
 
 FIXTURE = Path(__file__).parent / "data" / "wordnet"
 THREE = {"noun.animal": "animal", "noun.food": "food", "noun.plant": "plant"}

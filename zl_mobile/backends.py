@@ -5,7 +5,7 @@ eager:                the same chunk in eager PyTorch, on CPU threads or a CUDA 
                       (--torch-device), from the export's chunk_k_weights.safetensors
                       (zl-export --eager-weights). It never imports ExecuTorch, so it runs where
                       ExecuTorch cannot be installed (e.g. a GPU server with another torch).
-Both give programs with the same interface (zl_mobile.program.NamedMethods), so the stage
+Both give programs with the same interface (zl_common.program.NamedMethods), so the stage
 runtime, the protocol and every schedule are the same."""
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ class Backend:
         if self.name != "executorch":
             return
         try:
-            from .et_runtime import runtime
+            from zl_common.et_runtime import runtime
             runtime()
         except (ImportError, OSError) as e:
             raise BackendError(f"ExecuTorch cannot be imported here ({type(e).__name__}: {e}): install "
@@ -72,7 +72,7 @@ class Backend:
             return ("program", "weights", "lora_init")
         if "eager_weights" not in chunk:
             from .eager_program import EAGER_FIX
-            from .program import ProgramError
+            from zl_common.program import ProgramError
 
             raise ProgramError(f"the export has no eager-backend weights for chunk {chunk.get('index')}: {EAGER_FIX}")
         return ("eager_weights", "lora_init")
@@ -82,7 +82,7 @@ class Backend:
 
         torch.set_num_threads(n)
         if self.name == "executorch":
-            from .et_runtime import runtime
+            from zl_common.et_runtime import runtime
             try:
                 rt = runtime()
             except ImportError:
@@ -93,7 +93,7 @@ class Backend:
         """The chunk's program (ZeroLock entry, or BP entry {**chunk, **chunk["bp"]});
         `in_place`: see ChunkProgram (the eager backend has no arena to keep outputs in)."""
         if self.name == "executorch":
-            from .program import ChunkProgram
+            from zl_common.program import ChunkProgram
             return ChunkProgram(export_dir, chunk, in_place=in_place)
         from .eager_program import EagerChunkProgram
         return EagerChunkProgram(export_dir, chunk, self.torch_device)

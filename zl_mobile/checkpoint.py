@@ -38,7 +38,7 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-from .hashing import sha256_file as _sha256  # noqa: E402
+from zl_common.hashing import sha256_file as _sha256  # noqa: E402
 
 
 class CheckpointStore:

@@ -19,8 +19,8 @@ from .assign_rules import validate_assign
 from .backends import Backend
 from .connection import Connection
 from .file_receiver import FileReceiver, clear_incoming
-from .program import ProgramError
-from .protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
+from zl_common.program import ProgramError
+from .protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError, error_reply,
                        device_handshake)
 from .stage import Stage, StageConfig
 from .telemetry import total_memory_bytes
@@ -28,7 +28,7 @@ from .telemetry import total_memory_bytes
 log = logging.getLogger("zl_mobile.device")
 
 
-from .hashing import sha256_file  # noqa: E402
+from zl_common.hashing import sha256_file  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -127,14 +127,14 @@ class Device:
                     reply = self.handle(msg)
                 except ProtocolError as e:
                     log.warning("%s: %s", self.name, e)
-                    conn.try_send(e.to_message(msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
+                    conn.try_send(error_reply(e, msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
                     continue
                 except Exception as e:  # a failure on this side: report it (INTERNAL), keep the session
                     err = ProtocolError(ErrorCode.INTERNAL, f"{msg.type.name} failed on the device: "
                                                             f"{type(e).__name__}: {e}")
                     log.error("%s: %s", self.name, err)
                     log.debug("%s: %s failed", self.name, msg.type.name, exc_info=True)
-                    conn.try_send(err.to_message(msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
+                    conn.try_send(error_reply(err, msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
                     continue
                 if reply is not None and conn is not self._silent:
                     conn.send(reply)
@@ -142,7 +142,7 @@ class Device:
                     break
         except ProtocolError as e:  # a bad frame: tell the host, drop the session, keep serving
             log.warning("%s: dropping the host session: %s", self.name, e)
-            conn.try_send(e.to_message())
+            conn.try_send(error_reply(e))
         except (ConnectionClosed, OSError):
             log.info("%s: host disconnected", self.name)
         finally:

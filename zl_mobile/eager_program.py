@@ -1,5 +1,5 @@
 """A chunk's two-phase training program in eager PyTorch (CPU threads or CUDA), behind the same
-interface as zl_mobile.program.ChunkProgram: phase1, phase2 and run(method, values) with the
+interface as zl_common.program.ChunkProgram: phase1, phase2 and run(method, values) with the
 inputs and outputs the manifest names, for the ZeroLock program and the BP baseline stages.
 
 The chunk is exporter.chunk_model's ChunkModel / BPChunkModel over a Llama that holds only the
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from .program import NamedMethods, ProgramError
+from zl_common.program import NamedMethods, ProgramError
 
 GRAPH = "_autograd"  # key of phase 1's autograd state in the `saved` dict
 EAGER_FIX = "re-export with zl-export --eager-weights (it writes chunk_k_weights.safetensors)"

@@ -26,7 +26,7 @@ import time
 
 from .connection import Connection, connect, tune_link_socket
 from .protocol import (ConnectionClosed, DeviceAuth, Message, MsgType, ProtocolError, device_handshake,
-                       host_handshake)
+                       error_reply, host_handshake)
 
 log = logging.getLogger("zl_mobile.links")
 NO_END = 2**53  # "to the end" in REPLAY_REQUEST
@@ -421,7 +421,7 @@ class InboundLink:
                 self._deliver(self.queue.put, msg)
         except ProtocolError as e:
             log.warning("%s: upstream link error: %s", self.name, e)
-            conn.try_send(e.to_message())
+            conn.try_send(error_reply(e))
         except (OSError, ConnectionClosed):
             pass
         finally:

@@ -130,7 +130,7 @@ def _main(a, parser, budget) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
     from .cpu_budget import threads_for_share
-    from .quiet import quiet_libraries
+    from zl_common.quiet import quiet_libraries
 
     quiet_libraries(transformers=False)  # torchao's and torch's messages that are not errors (eager backend)
     if a.cpus:

@@ -93,7 +93,7 @@ SCHEDULES = {"zerolock": zerolock, "gpipe": gpipe, "1f1b": one_f_one_b, "pipedre
 def forwards_held(name: str, stage: int, num_stages: int, size: int, windows: int = 2) -> int:
     """The most forwards a stage holds at once (run, their L/B not yet) over the first `windows`.
     1 means every phase 2 runs before the next phase 1, so phase 1's outputs may stay in its
-    arena until then (zl_mobile.program.ChunkProgram(in_place=True)): ZeroLock everywhere, and
+    arena until then (zl_common.program.ChunkProgram(in_place=True)): ZeroLock everywhere, and
     the last stage of 1F1B and PipeDream; GPipe holds the whole window."""
     held = peak = 0
     for a in schedule(name, stage, num_stages, size, total=windows * size):

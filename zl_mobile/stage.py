@@ -23,7 +23,7 @@ from .accumulate import WindowGradients
 from .adamw import AdamWConfig
 from .checkpoint import Checkpoint, CheckpointStore, restore_training_state
 from .links import InboundLink, InboundQueue, OutboundLink
-from .program import ChunkProgram
+from zl_common.program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
 from .replay_store import ReplayStore
@@ -189,7 +189,7 @@ class Stage:
     def _batch(self, msg: Message) -> dict:
         t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in msg.tensors.items()}
         index, target, weight, dropped = readout_positions(t["labels"].numpy(), self.readout_rows)
-        if dropped:  # the host checks this before a run (host.data.check_loss_positions); never silently
+        if dropped:  # the host checks this before a run (zl_common.data.check_loss_positions); never silently
             raise ValueError(f"micro-batch {msg['micro_batch']} has {int(weight.sum()) + dropped} valid positions, more "
                              f"than the program's {self.readout_rows}; re-export with zl-export --loss-positions "
                              f"{int(weight.sum()) + dropped} or more")

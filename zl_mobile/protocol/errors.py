@@ -37,15 +37,6 @@ class ProtocolError(Exception):
         self.message = " ".join(str(message).split())  # always one line
         super().__init__(f"{self.code.value}: {self.message}")
 
-    def to_message(self, request_id: int | None = None):
-        """The ERROR message to send to the peer for this error."""
-        from .messages import Message, MsgType
-
-        meta = {"code": self.code.value, "message": self.message}
-        if request_id is not None:
-            meta["request_id"] = request_id
-        return Message(MsgType.ERROR, meta)
-
 
 class ConnectionClosed(ConnectionError):
     """The peer closed the connection cleanly between two frames."""

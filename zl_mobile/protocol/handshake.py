@@ -18,7 +18,7 @@ from typing import Callable
 
 from .errors import ErrorCode, ProtocolError
 from .frames import PREAUTH_MAX_FRAME, PROTOCOL_VERSION
-from .messages import Message, MsgType
+from .messages import Message, MsgType, error_reply
 from .transport import recv_message, send_message
 
 NONCE_BYTES = 32
@@ -111,7 +111,7 @@ class DeviceAuth:
 
 class DeviceHandshake:
     """One connection's handshake, device side. Feed each received message to `handle()`, send
-    what it returns; a ProtocolError means: send `err.to_message()`, then close. Once
+    what it returns; a ProtocolError means: send `error_reply(err)`, then close. Once
     `authenticated`, this object holds the device's single session slot until `close()`
     (also a context manager)."""
 
@@ -288,7 +288,7 @@ def device_handshake(sock: socket.socket, auth: DeviceAuth, hello: Message,
         try:
             if deadline is not None:
                 sock.settimeout(1.0)  # the error may go out after the deadline; a peer not reading gets nothing
-            send_message(sock, e.to_message())
+            send_message(sock, error_reply(e))
         except OSError:
             pass
         raise

@@ -78,6 +78,15 @@ INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")
 
 
+def error_reply(err: ProtocolError, request_id: int | None = None) -> Message:
+    """The ERROR message that tells the peer about `err` (errors.py knows no messages: it sits
+    below them)."""
+    meta = {"code": err.code.value, "message": err.message}
+    if request_id is not None:
+        meta["request_id"] = request_id
+    return Message(MsgType.ERROR, meta)
+
+
 def _is_int(v):
     return type(v) is int and INT64_MIN <= v <= INT64_MAX
 

@@ -1,6 +1,6 @@
 """ZeroLock stages as torch.distributed ranks: one stage per rank under `torchrun`.
 
-    torchrun --nproc-per-node 3 -m zl_mobile.dist --program build/tiny --steps 8 --out runs/d1
+    torchrun --nproc-per-node 3 -m host.dist --program build/tiny --steps 8 --out runs/d1
 
 Rank k runs chunk k on the eager backend (zl_mobile/eager_program.py), on CPU or its CUDA device,
 from the same exported directory and data options as `zl-host run`; rank 0 writes the same run
@@ -14,7 +14,7 @@ preposted receive, Algorithm 2 line 13); at most `--inflight` sends are outstand
 0 reads the data itself; every rank reads it too for the labels and masks of its micro-batches
 (the phones get those along with h), so only h crosses a link. The actions come from
 zl_mobile/schedules.py (ZeroLock: F, L, STEP); `--schedule gpipe|1f1b|zerobubble` runs the
-back-propagation baselines through torch.distributed.pipelining instead (zl_mobile/dist_pipelining.py).
+back-propagation baselines through torch.distributed.pipelining instead (host/dist_pipelining.py).
 
 Recovery under `torchrun --max-restarts N`: a killed rank makes torchrun restart every rank; each
 resumes from its own last committed checkpoint (zl_mobile/checkpoint.py), so ranks may resume at
@@ -41,14 +41,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from host.plan import RunSettings
+from .plan import RunSettings
 
-from .adamw import AdamWConfig
-from .checkpoint import Checkpoint, CheckpointStore, restore_training_state
-from .readout import readout_positions
-from .schedules import schedule
-from .stage import FAILURE_EXIT_CODE, FAILURE_POINTS
-from .telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
+from zl_mobile.adamw import AdamWConfig
+from zl_mobile.checkpoint import Checkpoint, CheckpointStore, restore_training_state
+from zl_mobile.readout import readout_positions
+from zl_mobile.schedules import schedule
+from zl_mobile.stage import FAILURE_EXIT_CODE, FAILURE_POINTS
+from zl_mobile.telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "zerobubble")
 STORE = None  # this attempt's rendezvous store (commit notices go through it)
@@ -111,7 +111,7 @@ def parse_failures(specs) -> list[dict]:
 
 
 def pick_device(spec: str) -> torch.device:
-    from .eager_program import check_torch_device
+    from zl_mobile.eager_program import check_torch_device
 
     if spec == "auto":
         spec = f"cuda:{int(os.environ.get('LOCAL_RANK', 0)) % max(torch.cuda.device_count(), 1)}" \
@@ -125,8 +125,8 @@ def pick_device(spec: str) -> torch.device:
 def load_run_inputs(a):
     """(manifest, train micro-batches, windows): the data exactly as `zl-host run` prepares it."""
     from exporter.manifest import ManifestError, load_manifest
-    from host.cli import CliError, prepare_data
-    from host.evaluate import split_held_out
+    from .cli import CliError, prepare_data
+    from .evaluate import split_held_out
 
     program = Path(a.program)
     try:
@@ -147,7 +147,7 @@ class DistStage:
     """Chunk k on rank k: the schedule's actions, hidden states over torch.distributed p2p."""
 
     def __init__(self, a, manifest: dict, train: list, windows: int, device: torch.device, ctrl, wire_device):
-        from .eager_program import EagerChunkProgram
+        from zl_mobile.eager_program import EagerChunkProgram
 
         self.a = a
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
@@ -425,8 +425,8 @@ class DistStage:
 def write_run_dir(a, manifest: dict, windows: int, run_id: str, seconds: float, lora: dict, records: list,
                   extra: dict | None = None) -> Path:
     """The same run directory `zl-host run` writes, with the host's code."""
-    from host.adapter import base_model_path, write_peft_adapter
-    from host.report import write_report
+    from .adapter import base_model_path, write_peft_adapter
+    from .report import write_report
 
     run_dir = Path(a.out)
     program = Path(a.program)
@@ -451,7 +451,7 @@ def write_run_dir(a, manifest: dict, windows: int, run_id: str, seconds: float, 
 
 def _write_run_json(a, windows: int, run_id: str, world: int) -> None:
     rec = {"program": str(Path(a.program).absolute()), "data": a.data, "devices": f"torch.distributed:{world}",
-           "run_id": run_id, "launcher": "zl_mobile.dist",
+           "run_id": run_id, "launcher": "host.dist",
            "settings": {"windows": windows, "window_size": a.window, "inflight_depth": a.inflight, "lr": a.lr,
                         "weight_decay": a.weight_decay,
                         "alpha": a.alpha, "schedule": a.schedule, "inject_failure": a.inject_failure,
@@ -479,7 +479,7 @@ def init_distributed(a):
     """The default process group (Gloo for CPU tensors, NCCL for CUDA ones where CUDA is there) and
     a Gloo group for control (the committed windows, the final gather). (device, ctrl, wire devices)."""
     if "RANK" not in os.environ:
-        raise DistError("not started by torchrun: run torchrun --nproc-per-node K -m zl_mobile.dist ... "
+        raise DistError("not started by torchrun: run torchrun --nproc-per-node K -m host.dist ... "
                         "(K = the export's chunk count)")
     device = pick_device(a.torch_device)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"

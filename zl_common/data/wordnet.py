@@ -19,7 +19,7 @@ import random
 from collections import Counter
 from pathlib import Path
 
-from .loaders import DataError, LoadedExamples
+from .examples import DataError, LoadedExamples
 from .synthetic import format_completion, format_prompt
 
 DEFAULT_DIR = "/usr/share/wordnet"

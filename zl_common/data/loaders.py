@@ -16,7 +16,9 @@ import os
 import re
 from collections import Counter
 
+from .examples import DataError, LoadedExamples, rejection_reasons
 from .synthetic import LABELS, format_completion, format_prompt, synthetic_examples
+from .wordnet import load_wordnet  # WordNet noun glosses by category (zl_common/data/wordnet.py)
 
 # Size of the built-in set used when no data file is given.
 DEFAULT_SYNTHETIC_N = 2000
@@ -36,53 +38,9 @@ _JSONL_FIX = ('expected one JSON object per line with string fields '
               '{"prompt": ..., "completion": ...} or {"text": ...}')
 
 
-class DataError(ValueError):
-    """A dataset problem, with a one-line message that says what to fix."""
-
-
-class LoadedExamples(list):
-    """A ``list[dict]`` of examples plus provenance: ``source``, ``n_read``, ``rejected``."""
-
-    def __init__(self, rows=(), *, source: str = "", n_read: int = 0,
-                 rejected: Counter | None = None, bad_lines: list | None = None):
-        super().__init__(rows)
-        self.source = source
-        self.n_read = n_read
-        self.rejected: Counter = rejected if rejected is not None else Counter()
-        self.bad_lines: list[int] = bad_lines or []  # file line numbers of the first rejected rows
-
-    @property
-    def n_rejected(self) -> int:
-        return sum(self.rejected.values())
-
-    def rejected_summary(self) -> str:
-        """'3 of 4 rows rejected (...; first at lines 2, 3, 4)', or '' when none were."""
-        if not self.n_rejected:
-            return ""
-        where = f"; first at line{'s' if len(self.bad_lines) > 1 else ''} {', '.join(map(str, self.bad_lines))}" \
-            if self.bad_lines else ""
-        return f"{self.source}: {self.n_rejected} of {self.n_read} rows rejected ({_reasons(self.rejected)}{where})"
-
-
-MAX_REJECTED_FRACTION = 0.5  # more bad rows than this and the file is refused, not silently thinned
-
-
-def check_rejected(examples: "LoadedExamples") -> str:
-    """Raise DataError when most rows were rejected; return a warning line when some were."""
-    line = examples.rejected_summary()
-    if line and examples.n_rejected > MAX_REJECTED_FRACTION * examples.n_read:
-        raise DataError(f"{line}; fix or remove those rows: refusing to train on the {len(examples)} usable "
-                        f"row{'s' if len(examples) != 1 else ''} left")
-    return line
-
-
-def _reasons(rejected: Counter) -> str:
-    return "; ".join(f"{n} {why}" for why, n in rejected.most_common()) or "the file is empty"
-
-
 def _no_usable_rows(path: str, n_read: int, rejected: Counter, fix: str) -> DataError:
     return DataError(f"{path}: no usable rows ({n_read} rows read, rejected: "
-                     f"{_reasons(rejected)}); {fix}")
+                     f"{rejection_reasons(rejected)}); {fix}")
 
 
 # ---------------------------------------------------------------- AG News CSV
@@ -250,15 +208,13 @@ def load_examples(path: str | None) -> LoadedExamples:
 
     ``None`` gives the built-in synthetic set (``DEFAULT_SYNTHETIC_N`` examples, seed 0);
     ``"wordnet"`` / ``"wordnet:validation"`` / ``"wordnet:test"`` a split of WordNet's noun
-    glosses labelled by category (``host/data/wordnet.py``; Debian's ``wordnet-base``).
+    glosses labelled by category (``zl_common/data/wordnet.py``; Debian's ``wordnet-base``).
     """
     if path is None:
         return LoadedExamples(synthetic_examples(DEFAULT_SYNTHETIC_N, seed=0),
                               source="synthetic", n_read=DEFAULT_SYNTHETIC_N)
     path = os.fspath(path)
     if not os.path.exists(path) and (path == "wordnet" or path.startswith("wordnet:")):
-        from .wordnet import load_wordnet  # WordNet noun glosses by category (host/data/wordnet.py)
-
         return load_wordnet(path)
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path}; pass an existing .csv (AG News) or "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .loaders import DataError
+from .examples import DataError
 
 IGNORE_INDEX = -100
 
@@ -85,7 +85,7 @@ def encode_examples(examples, tokenizer, seq_len: int, *,
         if not isinstance(ex, dict) or not ({"prompt", "completion"} <= ex.keys()
                                             or "text" in ex):
             raise DataError(f"example {k} is not a {{'prompt','completion'}} or {{'text'}} "
-                            f"dict: {str(ex)[:80]!r}; load data with host.data.load_examples")
+                            f"dict: {str(ex)[:80]!r}; load data with zl_common.data.load_examples")
         if "prompt" not in ex:
             ids = bos + _ids(tokenizer, ex["text"]) + eos
             if len(ids) > seq_len:

@@ -33,9 +33,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .adamw import AdamW, AdamWConfig
-from .readout import readout_positions
-from .telemetry import read_pss_bytes, take_peak_rss_bytes
+from zl_mobile.adamw import AdamW, AdamWConfig
+from zl_mobile.readout import readout_positions
+from zl_mobile.telemetry import read_pss_bytes, take_peak_rss_bytes
 
 BASELINES = ("gpipe", "1f1b", "zerobubble")
 
@@ -47,7 +47,7 @@ def build_bp_chunk(export_dir: Path, manifest: dict, k: int, device: torch.devic
 
     from exporter.chunk_model import PROBE, peft_name
 
-    from .eager_program import _build_chunk, _export_config
+    from zl_mobile.eager_program import _build_chunk, _export_config
 
     chunk_entry = manifest["chunks"][k]
     first, last = chunk_entry["layers"]

@@ -2,8 +2,8 @@
 
 from .batching import (IGNORE_INDEX, Encoded, EncodedList, check_loss_positions, encode_examples,
                        make_microbatches, tokenized_microbatches)
-from .loaders import (DEFAULT_SYNTHETIC_N, DataError, LoadedExamples, ag_news_example, check_rejected,
-                      clean_ag_text, load_ag_news_csv, load_examples, load_jsonl)
+from .examples import DataError, LoadedExamples, check_rejected
+from .loaders import DEFAULT_SYNTHETIC_N, ag_news_example, clean_ag_text, load_ag_news_csv, load_examples, load_jsonl
 from .wordnet import DEFAULT_CATEGORIES, load_wordnet, wordnet_splits
 from .synthetic import (LABELS, format_completion, format_prompt, synthetic_examples,
                         synthetic_vocabulary)
