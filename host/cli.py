@@ -2,20 +2,18 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 from rich.console import Console
 
 console = Console(stderr=True, soft_wrap=True)
-HELD_OUT = 0.2  # zl-host run's default share of the data kept out of training (the last micro-batches)
 
 
 from .cli_error import CliError  # noqa: E402,F401  (one class, wherever a command raises it)
+from .run_config import HELD_OUT  # noqa: E402
 
 
 # ---------------------------------------------------------------- devices / emulate
@@ -68,264 +66,12 @@ def cmd_emulate(a) -> int:
     return 0
 
 
-# ---------------------------------------------------------------- data
-def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: bool = True):
-    from transformers import AutoTokenizer
-
-    from zl_common.data import DataError, check_loss_positions, check_rejected, load_examples, tokenized_microbatches
-
-    tok_dir = export_dir / "tokenizer"
-    if not tok_dir.is_dir():
-        raise CliError(f"{export_dir} has no tokenizer/ folder: export from a model directory with tokenizer files")
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    if data is None and manifest["model"]["source"] != "tiny":
-        raise CliError("--data FILE is required for this model (the built-in synthetic set matches only --model tiny)")
-    try:
-        examples = load_examples(data)
-        warning = check_rejected(examples)  # most rows bad: refused; some: said, then trained on the rest
-        if warning:
-            console.print(f"zl-host: warning: {warning}", markup=False)
-        e = manifest["export"]
-        mbs = tokenized_microbatches(examples, tok, e["seq_len"], e["micro_batch"])
-        if training:  # a program never cuts a micro-batch's loss (eval reads the HF model's full logits)
-            check_loss_positions(mbs, e["readout_rows"], e["micro_batch"])
-    except DataError as err:
-        raise CliError(str(err)) from None
-    if not mbs:
-        raise CliError(f"{data or 'the synthetic set'} gave no usable rows after tokenisation: check the file's format")
-    return mbs
-
-
 # ---------------------------------------------------------------- run
-def parse_failures(specs: list[str]) -> list[dict]:
-    from zl_mobile.assign_rules import FAILURE_DETECTS, FAILURE_MODES
-    from zl_mobile.stage import FAILURE_POINTS, SLOW_POINT
-
-    out = []
-    for spec in specs or []:
-        try:
-            d = dict(part.split("=", 1) for part in spec.split(","))
-            point = d.get("point", "after-phase1")
-            if point == SLOW_POINT:  # not a failure: a slower phone (every phase 1 takes `seconds` more)
-                f = {"stage": int(d["stage"]), "point": point, "seconds": float(d["seconds"])}
-                if "window" in d:
-                    f["window"] = int(d["window"])
-            else:
-                f = {"stage": int(d["stage"]), "window": int(d["window"]), "point": point,
-                     **{k: d[k] for k in ("mode", "detect") if k in d}}
-        except (KeyError, ValueError):
-            raise CliError(f"--inject-failure {spec!r}: expected stage=K,window=W[,point=...][,mode=process|app]"
-                           f"[,detect=connection|heartbeat] (or stage=K,point={SLOW_POINT},seconds=S[,window=W])") from None
-        if f["point"] not in (*FAILURE_POINTS, SLOW_POINT):
-            raise CliError(f"--inject-failure point {f['point']!r}: use one of {', '.join((*FAILURE_POINTS, SLOW_POINT))}")
-        for key, allowed in (("mode", FAILURE_MODES), ("detect", FAILURE_DETECTS)):
-            if f.get(key, allowed[0]) not in allowed:
-                raise CliError(f"--inject-failure {key} {f[key]!r}: use one of {', '.join(allowed)}")
-        if f.get("detect", "connection") != "connection" and f.get("mode") != "app":
-            raise CliError(f"--inject-failure {spec!r}: detect=heartbeat needs mode=app (a killed process always "
-                           "drops its connection)")
-        out.append(f)
-    return out
-
-
-def emulated_count(spec: str) -> int:
-    """N of --devices emulated:N: a whole number of phones, at least 1."""
-    text = spec.split(":", 1)[1].strip()
-    if not (text.isascii() and text.isdigit()) or int(text) < 1:
-        raise CliError(f"--devices {spec!r}: N in emulated:N must be a whole number of phones (at least 1), "
-                       "e.g. --devices emulated:3")
-    return int(text)
-
-
-def _load_resume(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "run.json").read_text())
-    except FileNotFoundError:
-        raise CliError(f"cannot resume: {run_dir} has no run.json (not a zl-host run dir); give the --out of an earlier run") from None
-    except (OSError, json.JSONDecodeError) as e:
-        raise CliError(f"cannot resume: {run_dir / 'run.json'} is unreadable ({e}); start a new run instead") from None
-
-
 def cmd_run(a) -> int:
-    from exporter.errors import ExportError
-    from exporter.manifest import ManifestError, load_manifest
+    from .run_config import RunConfig
+    from .run_job import run
 
-    from .adapter import base_model_path, write_peft_adapter
-    from .coordinator import Coordinator, RunError
-    from .plan import PlanError, RunSettings
-    from .report import write_report
-
-    if a.resume:
-        run_dir = Path(a.resume)
-        saved = _load_resume(run_dir)
-        program, data, devices_spec = Path(saved["program"]), saved["data"], saved["devices"]
-        held_out_fraction = saved.get("held_out", HELD_OUT)
-        settings = RunSettings(**saved["settings"])
-        run_id = saved["run_id"]
-    else:
-        if not a.program:
-            raise CliError("--program DIR is required (the output of zl-export)")
-        program, data, devices_spec = Path(a.program), a.data, a.devices
-        held_out_fraction = a.held_out
-        if devices_spec.startswith("emulated:"):
-            emulated_count(devices_spec)  # before anything is loaded
-        run_dir = Path(a.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
-        run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
-        settings = None
-    try:
-        manifest = load_manifest(program)
-    except ManifestError as e:
-        raise CliError(str(e)) from None
-    mbs = prepare_data(program, manifest, data)
-    from .evaluate import split_held_out
-    train, held_out = split_held_out(mbs, held_out_fraction)
-    if settings is None:
-        windows = a.steps
-        if a.micro_batches:
-            windows = max(1, a.micro_batches // a.window)
-        elif a.epochs:
-            windows = max(1, round(a.epochs * len(train) / a.window))
-        settings = RunSettings(windows=windows, window_size=a.window, lr=a.lr, alpha=a.alpha,
-                               inflight_depth=a.inflight, heartbeat_timeout=a.heartbeat_timeout,
-                               inject_failure=parse_failures(a.inject_failure), recovery=a.recovery,
-                               replay_horizon=a.replay_horizon)
-    k = len(manifest["chunks"])
-    plan = None
-    plan_path = saved.get("plan") if a.resume else getattr(a, "plan", None)  # a resumed run keeps its stage order
-    if plan_path:
-        from .plan_cli import check_plan_export, read_plan
-        plan = check_plan_export(read_plan(Path(plan_path)), manifest, plan_path, program)
-        if devices_spec == "auto":
-            devices_spec = ",".join(plan["devices"])
-    try:
-        settings.checked_horizon(k)  # before any phone starts
-        settings.checked_alpha(k)
-    except PlanError as e:
-        raise CliError(str(e)) from None
-    run_dir.mkdir(parents=True, exist_ok=True)
-
-    phones = []
-    links = None
-    network = None
-    from .emulate import EmulatedLinks
-
-    # a resumed run keeps its links (and takes over the namespaces its phones are in)
-    emulated_links = EmulatedLinks(**saved.get("link") or {}) if a.resume else EmulatedLinks(a.link_mbit, a.link_delay_ms)
-    if devices_spec.startswith("emulated:"):
-        from .emulate import EmulatedPhone, cpu_shares, start_phones
-        from .netns import NetnsError
-
-        n = emulated_count(devices_spec)
-        if n < k:
-            raise CliError(f"{n} emulated phone(s) for {k} chunks: use --devices emulated:{k}")
-        shares = None if a.resume else cpu_shares(a.cpu_share, n)  # a resumed run's phones keep their arguments
-        try:
-            network, phone_args, how = emulated_links.open(n)
-        except NetnsError as e:
-            raise CliError(f"cannot make the phones' network: {e}; run without --link-mbit") from None
-        try:
-            if a.resume and saved.get("phones"):
-                phones = [EmulatedPhone(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"],
-                                        net=network.phones[i] if network else None).adopt_or_start(p.get("pid"))
-                          for i, p in enumerate(saved["phones"])]
-            else:
-                console.print(f"starting {n} emulated phones ({how})", markup=False)
-                per_phone = None
-                if getattr(a, "mem_limit", None):  # the phones' CPU budget or core, and their memory limit
-                    from .plan_cli import check_mem_limits, emulated_phone_args, parse_list
-                    limits = parse_list(a.mem_limit, n, "memory limit", "--mem-limit")
-                    check_mem_limits(limits)
-                    per_phone = emulated_phone_args(n, limits, shares)
-                phones = start_phones(n, run_dir / "phones", extra_args=phone_args, network=network,
-                                      per_phone_args=per_phone, cpu_shares=shares)
-        except BaseException:
-            if network is not None:
-                network.close()
-            raise
-        handles = [p.handle() for p in phones]
-    elif a.cpu_share is not None:
-        raise CliError("--cpu-share budgets emulated phones only: use --devices emulated:N")
-    elif emulated_links.mbit or emulated_links.delay_ms:
-        raise CliError("--link-mbit / --link-delay-ms shape emulated phones' links only: use --devices emulated:N")
-    else:
-        from .adb_wiring import AdbLinks
-        from .devices import DeviceLookupError, load_tokens, resolve
-
-        adb_events: list = []  # the live view does not exist yet when the control ports are forwarded
-        links = AdbLinks(data_port=a.adb_data_port, staging_dir=a.adb_staging,
-                         on_event=lambda kind, data: adb_events[-1](kind, data) if adb_events else None)
-        try:
-            handles = resolve(devices_spec, k, load_tokens(a.tokens), a.wait, a.mdns, links=links)
-        except DeviceLookupError as e:
-            links.close()
-            raise CliError(str(e)) from None
-    from rich.live import Live
-
-    from .live import LiveView
-
-    view = LiveView(k, settings.micro_batches, manifest["export"]["micro_batch"])
-    if links is not None:
-        adb_events.append(view.on_event)
-    on_event, watch = view.on_event, None
-    if plan is not None:
-        from .plan_cli import drift_watch, order_by_plan
-        watch = drift_watch(plan, a.drift_margin, settings.window_size, run_dir,
-                            lambda line: console.print(line, markup=False))
-
-        def on_event(kind, data):
-            view.on_event(kind, data)
-            watch.on_event(kind, data)
-    co = None
-    try:
-        if plan is not None:
-            handles = order_by_plan(handles, plan)  # the plan's phones in its stage order
-        co = Coordinator(program, handles, train, settings, run_dir, run_id=run_id, on_event=on_event,
-                         link_tokens=saved.get("link_tokens") if a.resume else None, links=links,
-                         keep_order=plan is not None)
-        record = {"program": str(program.absolute()), "data": data, "held_out": held_out_fraction,
-                  "devices": devices_spec, "run_id": run_id,
-                  "settings": settings.to_json(), "link_tokens": co.link_tokens, "link": asdict(emulated_links),
-                  **({"plan": str(Path(plan_path).absolute())} if plan is not None else {}),
-                  "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
-                              "port": p.port, "pid": p.pid} for p in phones]}
-        tmp = run_dir / "run.json.tmp"
-        tmp.write_text(json.dumps(record, indent=2))
-        tmp.chmod(0o600)  # holds pairing tokens
-        tmp.replace(run_dir / "run.json")
-        try:
-            with Live(view, console=console, refresh_per_second=4, transient=False):
-                result = co.run()
-        finally:
-            if not console.is_terminal:  # rich leaves the last table line open when not on a terminal
-                console.line()
-    except (PlanError, RunError) as e:
-        raise CliError(str(e)) from None
-    finally:
-        for p in phones:
-            p.stop()
-        if network is not None:
-            network.close()
-        if links is not None:  # remove the adb forwards and reverses this run made
-            if co is not None:
-                co.stop_sampling()
-            for problem in links.close():
-                console.print(f"zl-host: warning: {problem}", markup=False)
-    try:
-        base = base_model_path(program, manifest)
-    except ExportError:  # --model smollm2, its wheel not on this host: the path the export recorded
-        base = manifest["model"].get("path")
-    adapter_dir = write_peft_adapter(result["lora"], manifest, run_dir / "adapter", base)
-    rows = settings.micro_batches * manifest["export"]["micro_batch"]
-    summary = {"run_id": run_id, "program": str(program), "data": data or "synthetic", "windows": settings.windows,
-               "window_size": settings.window_size, "micro_batches": settings.micro_batches, "lr": settings.lr,
-               "seconds": result["seconds"], "samples_per_s": rows / result["seconds"],
-               "recoveries": len(result["recoveries"]), "link_bytes": result["link_bytes"], "errors": result["errors"]}
-    if watch is not None:
-        summary["plan"] = {"file": str(Path(plan_path).absolute()), "chunks": plan["chunks"], "devices": plan["devices"],
-                           "predicted_s": [s["time_s"] for s in plan["stages"]], "drift_reports": watch.reports}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    report = write_report(run_dir, summary)
-    console.print(f"adapter: {adapter_dir}  report: {report}  metrics: {run_dir / 'metrics.jsonl'}")
+    run(RunConfig.from_args(a))
     return 0
 
 
@@ -358,6 +104,8 @@ def cmd_eval(a) -> int:
         check_adapter(adapter, Path(base), manifest.get("lora"))
     except AdapterError as e:
         raise CliError(str(e)) from None
+    from .run_data import prepare_data
+
     _, held_out = split_held_out(prepare_data(program, manifest, a.data, training=False))
     base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
     before = evaluate(base, None, held_out, base_weights)

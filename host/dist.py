@@ -5,7 +5,7 @@
 Rank k runs chunk k on the eager backend (zl_mobile/eager_program.py), on CPU or its CUDA device,
 from the same exported directory and data options as `zl-host run`; rank 0 writes the same run
 directory (PEFT adapter, metrics.jsonl, report with plots, run.json, summary.json) with the host's
-own code (host/cli.prepare_data, host/adapter, host/report).
+own code (host/run_data.prepare_data, host/adapter, host/report).
 
 Hidden states go rank to rank with torch.distributed point-to-point ops (Gloo, or NCCL with
 --wire device between CUDA ranks): the isend of h_k starts right after phase 1, before phase 2
@@ -125,8 +125,10 @@ def pick_device(spec: str) -> torch.device:
 def load_run_inputs(a):
     """(manifest, train micro-batches, windows): the data exactly as `zl-host run` prepares it."""
     from exporter.manifest import ManifestError, load_manifest
-    from .cli import CliError, prepare_data
+    from .cli_error import CliError
     from .evaluate import split_held_out
+    from .run_config import RunConfig
+    from .run_data import prepare_data
 
     program = Path(a.program)
     try:
@@ -134,12 +136,7 @@ def load_run_inputs(a):
         train, _ = split_held_out(prepare_data(program, manifest, a.data))
     except (ManifestError, CliError) as e:
         raise DistError(str(e)) from None
-    windows = a.steps
-    if a.micro_batches:
-        windows = max(1, a.micro_batches // a.window)
-    elif a.epochs:
-        windows = max(1, round(a.epochs * len(train) / a.window))
-    return manifest, train, windows
+    return manifest, train, RunConfig.from_args(a).windows_for(len(train))  # zl-host run's rule
 
 
 # ------------------------------------------------------------------ the rank's stage

@@ -143,7 +143,7 @@ def test_a_jsonl_file_with_most_rows_bad_is_refused_with_the_rows_shown(small_ex
 
 def test_a_jsonl_file_with_a_few_bad_rows_is_warned_about(small_export, tmp_path, capsys):
     from exporter.manifest import load_manifest
-    from host.cli import prepare_data
+    from host.run_data import prepare_data
     from zl_common.data import synthetic_examples
 
     data = tmp_path / "rows.jsonl"

@@ -85,7 +85,7 @@ def test_eval_shows_prompts_with_both_answers(e2e, data_file, capsys):
     from transformers import AutoTokenizer
 
     from host.answers import prompts_and_answers
-    from host.cli import prepare_data
+    from host.run_data import prepare_data
     from host.evaluate import split_held_out
     from exporter.manifest import load_manifest
 
@@ -379,3 +379,22 @@ def test_a_zombie_is_not_alive_and_a_dying_phone_is_not_adopted(tmp_path):
         assert not phone._answers()
     finally:
         mute.close()
+
+
+def test_run_options_and_run_config_agree():
+    """`zl-host run`'s options are RunConfig's fields, with the same defaults: what a bench or test
+    builds in code is what the command line gives (an option added to one and not the other fails)."""
+    from dataclasses import fields
+
+    from host.cli import build_parser
+    from host.run_config import RunConfig
+
+    parser = build_parser()
+    run_parser = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]
+    options = {a.dest for a in run_parser._actions if a.dest != "help"} - {"func"}
+    assert options == {f.name for f in fields(RunConfig)}
+    assert RunConfig.from_args(parser.parse_args(["run", "--program", "p"])) == RunConfig(program="p")
+    cfg = RunConfig.from_args(parser.parse_args(["run", "--program", "p", "--alpha", "0.5,1", "--inject-failure",
+                                                 "stage=1,window=0", "--devices", "emulated:3"]))
+    assert cfg.alpha == [0.5, 1.0] and cfg.emulated_count() == 3
+    assert cfg.failures() == [{"stage": 1, "window": 0, "point": "after-phase1"}]

@@ -1,0 +1,42 @@
+"""The micro-batches a run trains on (and eval scores): the data spec read, checked and tokenised
+with the export's own tokenizer at the export's shapes."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .cli_error import CliError
+
+
+def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: bool = True, warn=None):
+    """Tokenised micro-batches of `data` for the program in `export_dir`; `warn(line)` hears about
+    rejected rows (default: printed to stderr)."""
+    from transformers import AutoTokenizer
+
+    from zl_common.data import DataError, check_loss_positions, check_rejected, load_examples, tokenized_microbatches
+
+    tok_dir = export_dir / "tokenizer"
+    if not tok_dir.is_dir():
+        raise CliError(f"{export_dir} has no tokenizer/ folder: export from a model directory with tokenizer files")
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    if data is None and manifest["model"]["source"] != "tiny":
+        raise CliError("--data FILE is required for this model (the built-in synthetic set matches only --model tiny)")
+    try:
+        examples = load_examples(data)
+        warning = check_rejected(examples)  # most rows bad: refused; some: said, then trained on the rest
+        if warning:
+            (warn or _stderr)(f"zl-host: warning: {warning}")
+        e = manifest["export"]
+        mbs = tokenized_microbatches(examples, tok, e["seq_len"], e["micro_batch"])
+        if training:  # a program never cuts a micro-batch's loss (eval reads the HF model's full logits)
+            check_loss_positions(mbs, e["readout_rows"], e["micro_batch"])
+    except DataError as err:
+        raise CliError(str(err)) from None
+    if not mbs:
+        raise CliError(f"{data or 'the synthetic set'} gave no usable rows after tokenisation: check the file's format")
+    return mbs
+
+
+def _stderr(line: str) -> None:
+    import sys
+
+    print(line, file=sys.stderr)
