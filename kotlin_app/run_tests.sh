@@ -9,8 +9,10 @@
 #   * kotlinc  : npm package kotlin-compiler@$KOTLIN_VERSION, installed into kotlin_app/.tools
 #   * JUnit 5  : Debian package junit5 (console launcher /usr/share/java/junit-platform-console-standalone.jar)
 #   * JDK 17   : expected on PATH (java, javac not needed)
-# Outputs go to kotlin_app/build/ (classes/main, classes/test, classpath.txt). Re-runs skip
-# compilation when neither the sources nor the compiler version changed.
+#   * g++      : builds the ExecuTorch bridge (kotlin_app/jni/) against the executorch wheel in .venv
+#                (scripts/setup.sh makes it); the tests also export two small chunks with it
+# Outputs go to kotlin_app/build/ (classes/main, classes/test, classpath.txt, native/, test_export/).
+# Re-runs skip compilation when neither the sources nor the compiler version changed.
 set -euo pipefail
 
 KOTLIN_VERSION="2.4.20"
@@ -104,7 +106,20 @@ TEST_SRC="$HERE/core/src/test/kotlin"
 MAIN_STAMP="$(stamp_of "kotlinc $KOTLIN_VERSION" "$MAIN_SRC")"
 compile main "$MAIN_OUT" "" "$MAIN_STAMP" "$MAIN_SRC"
 echo "$MAIN_OUT:$STDLIB" > "$BUILD/classpath.txt"
-[ "$BUILD_ONLY" = 1 ] && { log "build only: runtime classpath in $BUILD/classpath.txt"; exit 0; }
+# the ExecuTorch bridge (Kotlin phones on the JVM): g++ against the executorch wheel in .venv
+bash "$HERE/jni/build.sh" "$BUILD/native"
+[ "$BUILD_ONLY" = 1 ] && { log "build only: runtime classpath in $BUILD/classpath.txt, bridge in $BUILD/native"; exit 0; }
+
+# a real two-chunk export and the Python runtime's outputs for ExecuTorchBackendTest (~1 min once)
+TEST_EXPORT="$BUILD/test_export"
+EXPORT_STAMP="$(cat "$HERE/jni/make_test_export.py" | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$TEST_EXPORT/reference.safetensors" ] || [ "$(cat "$TEST_EXPORT.stamp" 2>/dev/null)" != "$EXPORT_STAMP" ]; then
+  log "exporting the test chunks into $TEST_EXPORT"
+  rm -rf "$TEST_EXPORT" "$TEST_EXPORT.stamp"
+  "${ZL_PYTHON:-$REPO/.venv/bin/python}" -W ignore "$HERE/jni/make_test_export.py" "$TEST_EXPORT" >"$BUILD/test_export.log" 2>&1 ||
+    die "could not export the test chunks (see $BUILD/test_export.log)"
+  echo "$EXPORT_STAMP" > "$TEST_EXPORT.stamp"
+fi
 
 TEST_STAMP="$(stamp_of "kotlinc $KOTLIN_VERSION $MAIN_STAMP $JUNIT" "$TEST_SRC")"
 compile test "$TEST_OUT" "$MAIN_OUT:$JUNIT" "$TEST_STAMP" "$TEST_SRC"
@@ -112,7 +127,7 @@ compile test "$TEST_OUT" "$MAIN_OUT:$JUNIT" "$TEST_STAMP" "$TEST_SRC"
 # ---- run ------------------------------------------------------------------------------------
 log "running JUnit ($JUNIT)"
 set +e
-java -Dzerolock.repoRoot="$REPO" -jar "$JUNIT" \
+java -Dzerolock.repoRoot="$REPO" -Dzerolock.testExport="$TEST_EXPORT" -Dzerolock.executorchJni="$BUILD/native/libzl_executorch.so" -jar "$JUNIT" \
   --disable-banner --disable-ansi-colors --details=tree --fail-if-no-tests \
   --class-path "$MAIN_OUT:$TEST_OUT:$STDLIB" --scan-class-path "$TEST_OUT"
 rc=$?

@@ -9,8 +9,11 @@ import org.zerolock.core.str
 /** Result of phase 2: the local loss, its two terms, and one gradient per LoRA tensor. */
 class Phase2Result(val loss: Double, val taskLoss: Double, val consisLoss: Double, val grads: Map<String, FloatArray>)
 
-/** Output of phase 1: h_k (sent downstream at once) and what phase 2 needs. */
-class Phase1Result(val h: Tensor, val saved: Map<String, Tensor>)
+/**
+ * Output of phase 1: h_k (sent downstream at once) and what phase 2 needs: [saved] as tensors,
+ * [kept] left in a [ChainingBackend]'s memory (by name), read by phase 2 without a copy.
+ */
+class Phase1Result(val h: Tensor, val saved: Map<String, Tensor>, val kept: Map<String, MethodInput.Kept> = emptyMap())
 
 /**
  * What a stage runs per micro-batch. The Android app implements it with ExecuTorch (through
@@ -46,6 +49,24 @@ interface MethodBackend {
     fun close() {}
 }
 
+/** One input of [ChainingBackend.runKeeping]: a tensor, or an output a previous run kept. */
+sealed class MethodInput {
+    class Value(val tensor: Tensor) : MethodInput()
+    /** Output [index] of run [generation] of [method], still in the backend's memory. */
+    class Kept(val method: String, val index: Int, val generation: Long) : MethodInput()
+}
+
+/**
+ * A backend that can leave outputs in its own memory for a later method: phase 1's saved
+ * activations (most of a micro-batch's bytes: ~100 MB for a SmolLM2 chunk) go to phase 2 without
+ * a copy into and out of the JVM heap. A kept output lives until its method runs again.
+ */
+interface ChainingBackend : MethodBackend {
+    class Outputs(val generation: Long, val tensors: List<Tensor?>)
+    /** Runs [method]; output i with [keep] set stays in the backend (null in the result). */
+    fun runKeeping(method: String, inputs: List<MethodInput>, outputNames: List<String>, keep: BooleanArray): Outputs
+}
+
 /**
  * A chunk described by its entry in zl-export's manifest.json (`chunks[k]`): `methods.phase1` /
  * `methods.phase2` give input and output names (and input shapes/dtypes), `lora` the adapter
@@ -61,6 +82,10 @@ class ManifestChunkRunner(
     private val backend: MethodBackend,
     override val readoutRows: Int? = null,
     override val alpha: Double? = null,
+    /** The model's vocabulary (manifest `model.config.vocab_size`): token ids are checked against it. */
+    private val vocabSize: Long? = null,
+    /** The export's LoRA initialisation (the chunk's `lora_init` file), else [initialLora] draws one. */
+    private val loraInit: Map<String, FloatArray>? = null,
 ) : ChunkRunner {
     class Spec(val name: String, val shape: LongArray?, val dtype: String?)
 
@@ -91,6 +116,13 @@ class ManifestChunkRunner(
 
     /** LoRA init as PEFT does it: A small random (Kaiming-uniform like), B zero. */
     override fun initialLora(): Map<String, FloatArray> {
+        loraInit?.let { init ->
+            return loraShapes.mapValues { (name, shape) ->
+                val v = init[name] ?: throw IllegalArgumentException("the export's lora_init has no tensor $name: re-export the chunk")
+                require(v.size.toLong() == shape.fold(1L) { a, b -> a * b }) { "lora_init's $name has ${v.size} values, the program takes ${shape.toList()}" }
+                v.copyOf()
+            }
+        }
         val rnd = java.util.Random(0)
         return loraShapes.mapValues { (name, shape) ->
             val n = shape.fold(1L) { a, b -> a * b }.toInt()
@@ -102,8 +134,13 @@ class ManifestChunkRunner(
         }
     }
 
-    private fun gather(method: String, specs: List<Spec>, pool: Map<String, Tensor>, lora: Map<String, FloatArray>): List<Tensor> =
+    private val phase2Names = p2In.map { it.name }.toSet()
+
+    /** Each input of [method] by name: a LoRA tensor, a tensor of [pool], or an output [kept] by the backend. */
+    private fun gather(method: String, specs: List<Spec>, pool: Map<String, Tensor>, lora: Map<String, FloatArray>,
+                       kept: Map<String, MethodInput.Kept> = emptyMap()): List<MethodInput> =
         specs.map { s ->
+            kept[s.name]?.takeIf { s.name !in lora && s.name !in pool }?.let { return@map it }
             val t = lora[s.name]?.let { Tensor.ofFloats(it, *loraShapes[s.name]!!) }
                 ?: pool[s.name]
                 ?: (if (s.name == "h_in") pool["h"] else null)
@@ -111,21 +148,47 @@ class ManifestChunkRunner(
             if (s.shape != null && !s.shape.contentEquals(t.shape)) {
                 throw IllegalArgumentException("$method input '${s.name}' has shape ${t.shape.toList()}, the program was exported for ${s.shape.toList()}: pad the micro-batch or re-export")
             }
-            t
+            if (s.dtype != null && s.dtype != t.dtype.wireName) {
+                throw IllegalArgumentException("$method input '${s.name}' is ${t.dtype.wireName}, the program takes ${s.dtype}")
+            }
+            if (s.name == "input_ids" && vocabSize != null) checkTokenIds(t, vocabSize)
+            MethodInput.Value(t)
         }
 
+    /** The embedding kernel does not check its ids: an id outside the vocabulary would read past the table. */
+    private fun checkTokenIds(t: Tensor, vocab: Long) {
+        val ids = t.toLongArray()
+        val bad = ids.indexOfFirst { it < 0 || it >= vocab }
+        if (bad >= 0) throw IllegalArgumentException("input_ids holds token id ${ids[bad]} (position $bad), outside the model's vocabulary 0..${vocab - 1}: tokenize with the export's tokenizer")
+    }
+
+    private fun call(method: String, inputs: List<MethodInput>, names: List<String>, keep: BooleanArray? = null): ChainingBackend.Outputs {
+        val b = backend
+        if (b is ChainingBackend) return b.runKeeping(method, inputs, names, keep ?: BooleanArray(names.size))
+        // a plain backend: every input is a tensor (nothing was kept)
+        return ChainingBackend.Outputs(0, b.run(method, inputs.map { (it as MethodInput.Value).tensor }, names))
+    }
+
     override fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result {
-        val outs = backend.run("phase1", gather("phase1", p1In, batch, lora), p1Out.map { it.name })
+        val names = p1Out.map { it.name }
+        // what only phase 2 reads stays in the backend's memory; h_out is sent downstream
+        val keep = BooleanArray(names.size) { names[it] != "h_out" && names[it] in phase2Names }
+        val r = call("phase1", gather("phase1", p1In, batch, lora), names, keep)
+        val outs = r.tensors
         require(outs.size == p1Out.size) { "phase1 returned ${outs.size} outputs, manifest lists ${p1Out.size}" }
         val named = LinkedHashMap<String, Tensor>()
-        for ((s, t) in p1Out.zip(outs)) named[s.name] = t
-        val h = named["h_out"] ?: outs[0]
-        return Phase1Result(h, named)
+        val kept = LinkedHashMap<String, MethodInput.Kept>()
+        for ((i, s) in p1Out.withIndex()) {
+            val t = outs[i]
+            if (t != null) named[s.name] = t else kept[s.name] = MethodInput.Kept("phase1", i, r.generation)
+        }
+        val h = named["h_out"] ?: outs[0] ?: throw IllegalStateException("phase1 returned no h_out")
+        return Phase1Result(h, named, kept)
     }
 
     override fun phase2(batch: Map<String, Tensor>, p1: Phase1Result, lora: Map<String, FloatArray>): Phase2Result {
         val pool = LinkedHashMap<String, Tensor>(batch).also { it.putAll(p1.saved) }
-        val outs = backend.run("phase2", gather("phase2", p2In, pool, lora), p2Out.map { it.name })
+        val outs = call("phase2", gather("phase2", p2In, pool, lora, p1.kept), p2Out.map { it.name }).tensors
         require(outs.size == p2Out.size) { "phase2 returned ${outs.size} outputs, manifest lists ${p2Out.size}" }
         val named = p2Out.map { it.name }.zip(outs).toMap()
         fun scalar(n: String): Double = named[n]?.toFloatArray()?.firstOrNull()?.toDouble() ?: Double.NaN

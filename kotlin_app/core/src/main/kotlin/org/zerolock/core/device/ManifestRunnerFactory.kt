@@ -2,6 +2,7 @@ package org.zerolock.core.device
 
 import org.zerolock.core.Json
 import org.zerolock.core.ProcStats
+import org.zerolock.core.Safetensors
 import org.zerolock.core.asObject
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.Handshake
@@ -47,8 +48,17 @@ class ManifestRunnerFactory(private val loadBackend: (program: File, weights: Fi
         if (alpha == null && assignment.alpha == null && ManifestChunkRunner.takesInput(chunk, "alpha")) {
             reject(assignment, "manifest.json has no export.alpha and STAGE_ASSIGN no config.alpha: the program needs its loss weight alpha")
         }
+        val vocab = ((manifest["model"] as? Map<*, *>)?.get("config") as? Map<*, *>)?.get("vocab_size")?.let {
+            (it as? Number)?.toLong()?.takeIf { v -> v > 0 } ?: reject(assignment, "manifest.json model.config.vocab_size must be a positive integer, got $it")
+        }
+        // the export's LoRA initialisation, as zl_mobile starts from it (the host pushes it)
+        val loraInit = (chunk["lora_init"] as? String)?.let { rel ->
+            val f = File(filesDir, File(rel).name)
+            if (!f.isFile) reject(assignment, "${f.name} (the chunk's lora_init) was not pushed")
+            try { Safetensors.readFloats(f) } catch (e: Safetensors.FormatError) { reject(assignment, e.message ?: "bad lora_init") }
+        }
         ProcStats.SELF.runtimePssBytes() // before the first load: the memory breakdown's "runtime"
-        return ManifestChunkRunner(chunk, loadBackend(program, weights), rows, alpha)
+        return ManifestChunkRunner(chunk, loadBackend(program, weights), rows, alpha, vocab, loraInit)
     }
 
     private fun reject(a: StageAssignment, why: String): Nothing = throw ProtocolException(ErrorCode.REJECTED, why, a.msg.long("request_id"))
