@@ -231,6 +231,8 @@ def build_parser():
                                                      "(zl-phone --mem-limit), one for all or A,B,...")
     from .plan_cli import add_parsers
     add_parsers(sub)
+    from .export_run import add_parser as add_export_parser
+    add_export_parser(sub)
     v = sub.add_parser("eval", help="held-out accuracy and NLL with the trained adapter")
     v.add_argument("--program", required=True)
     v.add_argument("--adapter", required=True)
