@@ -305,17 +305,25 @@ def test_running_out_of_descriptors_does_not_end_serve(tmp_path):
         phone.stop()
 
 
-def test_connections_beyond_the_cap_are_closed_at_accept(tmp_path):
+def test_connections_beyond_the_cap_close_the_oldest_unauthenticated_one(tmp_path):
+    """At the cap the oldest connection that has not authenticated gives way (issue 31): idle
+    sockets reopened again and again cannot keep the real host out, and never more are open."""
     phone = LimitedPhone(tmp_path / "p", 1024, [*FAST, "--handshake-timeout", "30", "--max-connections", "4"])
     try:
         log = Log(phone)
         held = _flood(phone.port, 4)
         extra = _flood(phone.port, 4)
-        log.wait_line("4 connections open already", timeout=TIMEOUT)
-        for s in extra:  # closed by the phone without a word
+        log.wait_line("4 connections open already", "oldest unauthenticated", timeout=TIMEOUT)
+        for s in held:  # the four oldest were closed by the phone without a word
             assert s.recv(1) == b""
-        for s in held:
+        t0 = time.monotonic()
+        assert_serves(phone)  # a host that authenticates finds room at once, the cap still full of idlers
+        assert time.monotonic() - t0 < 5
+        for s in extra[1:]:  # the host's connection took the oldest remaining idler's place
+            s.settimeout(0.2)
+            with pytest.raises((socket.timeout, TimeoutError)):
+                s.recv(1)
+        for s in extra:
             s.close()
-        assert_serves(phone)
     finally:
         phone.stop()

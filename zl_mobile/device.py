@@ -4,6 +4,7 @@ Files it is sent are kept in its work dir (as a phone keeps them in its storage)
 against their sha256; STAGE_ASSIGN starts (or rewires) the stage runtime for one chunk."""
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import logging
@@ -19,6 +20,7 @@ from .assign_rules import validate_assign
 from .backends import Backend
 from .connection import Connection
 from .file_receiver import FileReceiver, clear_incoming
+from .links import bind_listener
 from zl_common.program import ProgramError
 from .protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError, error_reply,
                        device_handshake)
@@ -37,6 +39,10 @@ class Limits:
     handshake_s: float = 10.0   # the whole handshake, however slowly its bytes trickle in
     io_s: float = 10.0          # no byte inside a started frame for this long: TIMEOUT
     max_connections: int = 64   # open at once, authenticated or not
+    # the largest frame of the host session (PROTOCOL.md 2.1): 1 MiB FILE_CHUNKs and metadata fit
+    # many times over; a frame the device could never need is OVERSIZED from its header alone
+    session_max_frame: int = 64 << 20
+    transfer_s: float = 120.0   # an open transfer with no chunk for this long is dropped (PROTOCOL.md 5.2)
 
 
 class Device:
@@ -62,6 +68,9 @@ class Device:
         self._host: Connection | None = None
         self._silent: Connection | None = None  # a session whose stage failed in-app without a word
         self._lock = threading.Lock()
+        # connections not yet authenticated, oldest first: at the connection cap the oldest gives
+        # way, so sockets opened and left idle cannot keep the real host out (serve)
+        self._unauthenticated: collections.OrderedDict[int, socket.socket] = collections.OrderedDict()
         self.incoming = self.workdir / "incoming"  # part files of transfers in progress (file_receiver.py)
         clear_incoming(self.incoming)
         self.sha_cache = self.workdir / "sha256"  # digests of stored files, by a hash of their name
@@ -70,7 +79,7 @@ class Device:
         self._heartbeat_seq = 0
 
     def _new_receiver(self) -> FileReceiver:
-        return FileReceiver(self.files, self.incoming, device_name=self.name)
+        return FileReceiver(self.files, self.incoming, device_name=self.name, stale_after=self.limits.transfer_s)
 
     # ---- identity
     def hello(self) -> Message:
@@ -101,16 +110,21 @@ class Device:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         # a host that vanished without a FIN (phone off the Wi-Fi) is found by the kernel, not by a read
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        with self._lock:
+            self._unauthenticated[id(sock)] = sock
         try:
             hs = device_handshake(sock, self.auth, self.hello(), timeout=self.limits.handshake_s)
         except (ProtocolError, OSError, ConnectionClosed) as e:
             log.warning("%s: refused a connection: %s", self.name, e)
             sock.close()
             return
+        finally:
+            with self._lock:
+                self._unauthenticated.pop(id(sock), None)
         # between frames a host may stay quiet (it only listens while a run trains); inside a frame
         # no byte for io_s seconds is a stall (TIMEOUT); each quiet period drops stale transfers
         sock.settimeout(None)
-        conn = Connection(sock, stall_s=self.limits.io_s)
+        conn = Connection(sock, stall_s=self.limits.io_s, max_frame=self.limits.session_max_frame)
         receiver = self.receiver = self._new_receiver()  # transfers belong to this session
         with self._lock:
             self._host = conn
@@ -122,6 +136,12 @@ class Device:
                     msg = conn.recv()
                 except socket.timeout:
                     receiver.sweep()
+                    continue
+                receiver.sweep()  # counted from each transfer's last chunk, heartbeats or not
+                if msg.type == MsgType.ERROR:
+                    log.warning("%s: host error %s: %s", self.name, msg["code"], msg["message"])
+                    if msg.get("request_id") is None:  # about the session, not a request: it ends (5.1)
+                        break
                     continue
                 try:
                     reply = self.handle(msg)
@@ -198,6 +218,10 @@ class Device:
         if t == MsgType.SHUTDOWN:
             self.stop_stage()
             return None
+        if t == MsgType.STATE_PUT:  # answered with ACK (PROTOCOL.md 5.6), as the Kotlin core does
+            return Message(MsgType.ACK, {"request_id": msg["request_id"], "ok": False,
+                                         "message": "this device does not load state from the host; its stage "
+                                                    "restores from its own checkpoints"})
         raise ProtocolError(ErrorCode.UNEXPECTED, f"{t.name} is not something a host sends to a device")
 
     # ---- stage
@@ -226,6 +250,12 @@ class Device:
             needed = self.backend.chunk_files(chunk)
         except ProgramError as e:
             raise self._reject(msg, str(e)) from None
+        for key in needed:  # names first: nothing outside the phone's storage is looked at, even to say so
+            name = chunk.get(key)
+            if not plain_file_name(name) or name not in sizes:
+                raise self._reject(msg, f"manifest.json names {str(name)[:80]!r} as chunk {k}'s {key}, which is not a "
+                                        "plain file name listed in its files (no '/', '\\', '..'; files live in the "
+                                        "phone's storage): push the export's own manifest.json")
         for key in needed:
             entry = sizes[chunk[key]]
             p = self.files / chunk[key]
@@ -245,18 +275,50 @@ class Device:
         if same:  # a rewire after a neighbour restarted: keep the running stage
             self.stage.rewire(cfg.downstream)
         else:
+            listener = self._listener(msg, meta.get("listen_port", 0))  # before anything is stopped or created
             self.stop_stage()
             try:
                 self.stage = Stage(self.files, chunk, manifest["export"], cfg, self.workdir,
                                    to_host=self.send_to_host, limiter=self.limiter,
                                    data_port=meta.get("listen_port", 0), bind=self.bind,
                                    load_program=self.backend.load, link_delay=self.link_delay,
-                                   on_failure=self._stage_failed)
+                                   on_failure=self._stage_failed, listener=listener, io_s=self.limits.io_s)
             except ProgramError as e:
+                if listener is not None:
+                    listener.close()
                 raise self._reject(msg, str(e)) from None
+            except BaseException:
+                if listener is not None:
+                    listener.close()
+                raise
         self.stage_meta = dict(meta)
         return Message(MsgType.ACK, {"request_id": meta["request_id"], "ok": True, "data_port": self.stage.data_port,
                                      "committed_window": self.stage.committed, "next_micro_batch": self.stage.next_mb})
+
+    def _listener(self, msg: Message, port: int):
+        """The new stage's data port, bound now so a port that cannot be had is refused before the
+        running stage is stopped. None: any port (0), or the port the running stage holds (its
+        socket is closed with it and the new stage binds it again)."""
+        if not port or (self.stage is not None and self.stage.data_port == port):
+            return None
+        try:
+            return bind_listener(self.bind, port)
+        except OSError as e:
+            raise self._reject(msg, f"STAGE_ASSIGN listen_port: cannot listen on {self.bind}:{port} "
+                                    f"({e.strerror or e}); free the port or assign another") from None
+
+    def evict_unauthenticated(self) -> bool:
+        """Close the oldest connection that has not authenticated (its handshake then fails and
+        its slot frees); False when there is none."""
+        with self._lock:
+            if not self._unauthenticated:
+                return False
+            _, sock = self._unauthenticated.popitem(last=False)
+        try:
+            sock.shutdown(socket.SHUT_RDWR)  # wakes its handshake's read; the thread closes it
+        except OSError:
+            pass
+        return True
 
     def stop_stage(self) -> None:
         if self.stage is not None:
@@ -310,11 +372,16 @@ def serve(device: Device, port: int, bind: str = "0.0.0.0", ready=None) -> None:
             time.sleep(0.05)  # the pending connection stays queued: do not spin on it
             continue
         if not slots.acquire(blocking=False):
+            # the oldest unauthenticated connection gives way, so a host that authenticates always
+            # finds room; with none to spare (cannot happen with one host session) the new one goes
+            evicted = device.evict_unauthenticated()
             if warned():
-                log.warning("%s: %d connections open already; closing the one from %s",
-                            device.name, device.limits.max_connections, peer[0])
-            sock.close()
-            continue
+                log.warning("%s: %d connections open already; closing %s", device.name,
+                            device.limits.max_connections,
+                            "the oldest unauthenticated one" if evicted else f"the one from {peer[0]}")
+            if not (evicted and slots.acquire(timeout=2.0)):
+                sock.close()
+                continue
         try:
             threading.Thread(target=run, args=(sock,), daemon=True).start()
         except RuntimeError as e:  # no thread to be had
@@ -322,6 +389,13 @@ def serve(device: Device, port: int, bind: str = "0.0.0.0", ready=None) -> None:
             sock.close()
             if warned():
                 log.warning("%s: cannot serve a connection (%s)", device.name, e)
+
+
+def plain_file_name(name) -> bool:
+    """A name a manifest may give a file: what FILE_BEGIN accepts (PROTOCOL.md 5.2), so it always
+    names a file in the phone's storage."""
+    return (isinstance(name, str) and 1 <= len(name.encode("utf-8", "surrogatepass")) <= 255
+            and name not in (".", "..") and not any(c in name for c in "/\\\0"))
 
 
 class Throttle:

@@ -25,12 +25,35 @@ import threading
 import time
 
 from .connection import Connection, connect, tune_link_socket
-from .protocol import (ConnectionClosed, DeviceAuth, Message, MsgType, ProtocolError, device_handshake,
-                       error_reply, host_handshake)
+from .protocol import (DEFAULT_MAX_FRAME, ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
+                       device_handshake, error_reply, host_handshake)
 
 log = logging.getLogger("zl_mobile.links")
 NO_END = 2**53  # "to the end" in REPLAY_REQUEST
 HANDSHAKE_TIMEOUT_S = 10.0  # PROTOCOL.md 6: a link that does not authenticate in time is closed
+STALL_S = 10.0  # PROTOCOL.md 6: a frame begun with no byte for this long is a stall (TIMEOUT)
+
+
+def bind_listener(bind: str, port: int) -> socket.socket:
+    """The data port's listening socket. SO_REUSEADDR: a fixed port (USB phones) is bound again
+    right after the stage that held it closed, its old connections still in TIME_WAIT."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind, port))
+        sock.listen(4)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def link_frame_limit(data_elements: int) -> int:
+    """The largest frame a stage link needs: HIDDEN_STATE (or GRADIENT) carries the chunk's data
+    tensors, `data_elements` elements of at most 8 bytes, twice over for the extra tensors that
+    travel with them (labels), plus a full metadata part and the records' headers. A peer that
+    declares more is OVERSIZED before anything is allocated (PROTOCOL.md 2.1)."""
+    return min(DEFAULT_MAX_FRAME, 2 * 8 * data_elements + (1 << 20) + (64 << 10))
 
 
 class DelayLine:
@@ -69,6 +92,19 @@ def _now(deliver, msg) -> None:
     deliver(msg)
 
 
+def commit_beyond_sent_message(window: int, end: int, usable_below: int, name: str) -> str:
+    """Word for word in the Kotlin core (LinkRules.commitBeyondSentMessage)."""
+    return (f"CHECKPOINT_COMMITTED window {window} covers micro-batches up to {end - 1}, but {name} has sent "
+            f"only those below {usable_below} on this link: a downstream cannot commit what it never received; "
+            "nothing was pruned (fix the downstream's commit bookkeeping)")
+
+
+def hidden_state_without_credit_message(mb: int, name: str) -> str:
+    """Word for word in the Kotlin core (LinkRules.noCreditMessage)."""
+    return (f"HIDDEN_STATE for micro-batch {mb} on {name} with no credit left: an upstream sends one frame per "
+            "credit granted (PROTOCOL.md 5.4.1); it was not kept")
+
+
 def replay_unavailable_message(start: int, end: int, name: str, held_from: int) -> str:
     """Word for word in the Kotlin core (LinkRules.replayUnavailableMessage): the host shows it."""
     return (f"replay unavailable: micro-batches {start}-{end} needed downstream of {name} are no longer held "
@@ -81,7 +117,7 @@ class OutboundLink:
     def __init__(self, name: str, token: str, *, window_size: int, replay_horizon: int,
                  limiter=None, on_error=None, on_committed=None, on_gradient=None, prune_on_commit=True,
                  delay: DelayLine | None = None, store=None, first_mb: int = 0, source=None,
-                 source_total: int | None = None):
+                 source_total: int | None = None, max_frame: int = DEFAULT_MAX_FRAME, stall_s: float | None = STALL_S):
         if replay_horizon < 1:
             raise ValueError(f"replay horizon must be >= 1, got {replay_horizon}")
         self.name = name
@@ -89,6 +125,7 @@ class OutboundLink:
         self.window_size = window_size
         self.replay_horizon = replay_horizon  # the most hidden states held: the producer waits beyond it
         self.limiter = limiter
+        self.max_frame, self.stall_s = max_frame, stall_s  # what the downstream may send (GRADIENT at most)
         self.on_error = on_error or (lambda msg: log.error(msg))
         self.on_committed = on_committed or (lambda meta: None)
         self.on_gradient = on_gradient or (lambda msg: None)  # BP baselines: dL/dh_k from downstream
@@ -109,6 +146,9 @@ class OutboundLink:
                 self._pruned_below = next(iter(self._buffer))
         self.peak_buffered = len(self._buffer)
         self._next = None           # next micro-batch the downstream wants (None: not connected)
+        # what the downstream can have used, on this connection: below its REPLAY_REQUEST's start
+        # (committed or queued before), or sent on it. A CHECKPOINT_COMMITTED past this is a lie
+        self._usable_below = None
         self._credits = 0
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
@@ -198,9 +238,9 @@ class OutboundLink:
                 log.debug("%s: connecting to %s failed (%s); retrying", self.name, address, e)
                 time.sleep(0.2)
                 continue
-            conn = Connection(sock, limiter=self.limiter)
+            conn = Connection(sock, limiter=self.limiter, max_frame=self.max_frame, stall_s=self.stall_s)
             with self._cond:
-                self._conn, self._next, self._credits = conn, None, 0
+                self._conn, self._next, self._credits, self._usable_below = conn, None, 0, None
             reader = threading.Thread(target=self._read, args=(conn,), name=f"out-read-{self.name}", daemon=True)
             reader.start()
             try:
@@ -232,6 +272,7 @@ class OutboundLink:
                 msg = self._buffer.get(mb)
                 self._credits -= 1
                 self._next = mb + 1
+                self._usable_below = max(self._usable_below or 0, mb + 1)
             if msg is None:  # the host's feed: built when it is sent, never held
                 msg = self.source(mb)
             n = conn.send(msg)
@@ -266,16 +307,33 @@ class OutboundLink:
     def _read(self, conn: Connection) -> None:
         try:
             while True:
-                msg = conn.recv()
+                try:
+                    msg = conn.recv()
+                except socket.timeout:  # a quiet downstream between frames (stall_s): fine
+                    continue
                 # everything from downstream (credits, replay requests, commits, gradients) is seen
                 # after the link's latency, if one is emulated, so the credit loop pays it too
                 self._deliver(lambda m, c=conn: self._handle(c, m), msg)
-        except (OSError, ProtocolError, ConnectionClosed):
+        except ProtocolError as e:  # a bad frame (CREDIT 0, from > to, a stall): say so, then close
+            log.warning("%s: downstream link error: %s", self.name, e)
+            conn.try_send(error_reply(e))
+        except (OSError, ConnectionClosed):
+            pass
+        conn.close()
+        with self._cond:
+            self._cond.notify_all()
+
+    def _handle(self, conn: Connection, msg: Message) -> None:
+        try:
+            self._handle_one(conn, msg)
+        except ProtocolError as e:  # a message that breaks the link rules: ERROR, then the link drops
+            log.warning("%s: downstream link error: %s", self.name, e)
+            conn.try_send(error_reply(e))
             conn.close()
             with self._cond:
                 self._cond.notify_all()
 
-    def _handle(self, conn: Connection, msg: Message) -> None:
+    def _handle_one(self, conn: Connection, msg: Message) -> None:
         if msg.type == MsgType.GRADIENT:
             self.on_gradient(msg)
             return
@@ -290,12 +348,18 @@ class OutboundLink:
                     self.on_error(replay_unavailable_message(start, self._pruned_below - 1, self.name, held))
                     start = self._pruned_below
                 self._next = start
+                self._usable_below = max(self._usable_below or 0, start)
             elif msg.type == MsgType.CHECKPOINT_COMMITTED:
                 # the downstream durably used everything up to this window: prune it
                 w = msg["window"]
+                end = (w + 1) * self.window_size
+                if self.source is None and end > (self._usable_below or 0):
+                    if not current:  # a late word of a dropped connection: its successor re-announces
+                        return
+                    raise ProtocolError(ErrorCode.UNEXPECTED, commit_beyond_sent_message(
+                        w, end, self._usable_below or 0, self.name))
                 self.downstream_committed = max(self.downstream_committed, w)
                 if self.prune_on_commit and self.source is None:
-                    end = (w + 1) * self.window_size
                     for mb in [k for k in self._buffer if k < end]:
                         del self._buffer[mb]
                     if self.store is not None:
@@ -361,17 +425,20 @@ class InboundLink:
     """Listens for the upstream stage (or the host, for stage 0) on a data port."""
 
     def __init__(self, name: str, token: str, queue: InboundQueue, *, inflight_depth: int,
-                 next_needed, port: int = 0, bind: str = "0.0.0.0", delay: DelayLine | None = None):
+                 next_needed, port: int = 0, bind: str = "0.0.0.0", delay: DelayLine | None = None,
+                 listener: socket.socket | None = None, max_frame: int = DEFAULT_MAX_FRAME,
+                 stall_s: float | None = STALL_S, unusable=None):
         self.name = name
+        self.max_frame, self.stall_s = max_frame, stall_s
+        # unusable(msg) -> why a HIDDEN_STATE cannot be used by the stage (None: it can)
+        self.unusable = unusable or (lambda msg: None)
+        self._lock = threading.Lock()
         self._deliver = delay or _now  # hidden states arrive after the link's latency, if one is emulated
         self.queue = queue
         self.inflight_depth = inflight_depth
         self.next_needed = next_needed  # callable: the micro-batch this stage needs next
         self.auth = DeviceAuth(token, name)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind((bind, port))
-        self._sock.listen(4)
+        self._sock = listener if listener is not None else bind_listener(bind, port)
         self.port = self._sock.getsockname()[1]
         self._conn: Connection | None = None
         self._stop = False
@@ -380,7 +447,8 @@ class InboundLink:
         # this stage's last CHECKPOINT_COMMITTED, re-announced on every new upstream connection: a
         # restarted upstream then drops what was committed while it was down instead of holding it
         self.last_commit: dict | None = None
-        threading.Thread(target=self._accept, name=f"in-{name}", daemon=True).start()
+        self._accept_thread = threading.Thread(target=self._accept, name=f"in-{name}", daemon=True)
+        self._accept_thread.start()
 
     def _accept(self) -> None:
         while not self._stop:
@@ -391,6 +459,9 @@ class InboundLink:
                     return
                 time.sleep(0.05)  # out of descriptors: the link is still wanted, retry (its peer stays queued)
                 continue
+            if self._stop:
+                sock.close()
+                return
             threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
 
     def _serve(self, sock: socket.socket) -> None:
@@ -403,7 +474,9 @@ class InboundLink:
             log.warning("%s: refused an upstream link: %s", self.name, e)
             sock.close()
             return
-        conn = Connection(tune_link_socket(sock))  # BP gradients go back upstream on this socket
+        # BP gradients go back upstream on this socket; frames are bounded by what the chunk needs,
+        # and a frame begun and then left for stall_s is a TIMEOUT (PROTOCOL.md 6)
+        conn = Connection(tune_link_socket(sock), max_frame=self.max_frame, stall_s=self.stall_s)
         self._conn = conn
         try:
             conn.send(Message(MsgType.REPLAY_REQUEST, {"from_micro_batch": self.next_needed(), "to_micro_batch": NO_END}))
@@ -411,11 +484,26 @@ class InboundLink:
                 conn.send(Message(MsgType.CHECKPOINT_COMMITTED, dict(self.last_commit)))
             free = self.inflight_depth - len(self.queue)
             if free > 0:
+                with self._lock:
+                    conn.credits += free
                 conn.send(Message(MsgType.CREDIT, {"credits": free}))
             while not self._stop:
-                msg = conn.recv()
+                try:
+                    msg = conn.recv()
+                except socket.timeout:  # an upstream waiting for credits is quiet between frames
+                    continue
                 if msg.type != MsgType.HIDDEN_STATE:
-                    raise ProtocolError("UNEXPECTED", f"{msg.type.name} on a hidden-state link; only HIDDEN_STATE is sent downstream")
+                    raise ProtocolError(ErrorCode.UNEXPECTED, f"{msg.type.name} on a hidden-state link; only "
+                                                              "HIDDEN_STATE is sent downstream")
+                mb = msg["micro_batch"]
+                with self._lock:  # the frame is checked before it is kept: a bad one is never queued
+                    if conn.credits <= 0:
+                        raise ProtocolError(ErrorCode.UNEXPECTED, hidden_state_without_credit_message(mb, self.name))
+                    conn.credits -= 1
+                why = self.unusable(msg)
+                if why is not None:
+                    raise ProtocolError(ErrorCode.UNEXPECTED, f"HIDDEN_STATE for micro-batch {mb} on {self.name}: "
+                                                              f"{why}; it was not kept")
                 self.bytes_received += sum(getattr(t, "nbytes", 0) for t in msg.tensors.values())
                 self.received_at[msg["micro_batch"]] = time.time()
                 self._deliver(self.queue.put, msg)
@@ -432,9 +520,12 @@ class InboundLink:
 
     def grant(self, n: int = 1) -> None:
         """Return credits upstream as inbound entries are consumed."""
-        conn = self._conn
-        if conn is not None:
-            conn.try_send(Message(MsgType.CREDIT, {"credits": n}))
+        with self._lock:
+            conn = self._conn
+            if conn is None:
+                return
+            conn.credits += n  # counted before it is sent: the frame it allows may come back at once
+        conn.try_send(Message(MsgType.CREDIT, {"credits": n}))
 
     def send_gradient(self, mb: int, grad) -> int:
         """BP baselines: dL/dh_{k-1} goes back upstream over the same link."""
@@ -453,7 +544,15 @@ class InboundLink:
             conn.try_send(Message(MsgType.CHECKPOINT_COMMITTED, dict(self.last_commit)))
 
     def close(self) -> None:
+        """Stop listening and drop the link. shutdown() first: close() alone does not wake a thread
+        blocked in accept(), which would keep the port listening (and the stage alive) for good."""
         self._stop = True
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._sock.close()
         if self._conn is not None:
             self._conn.close()
+        if threading.current_thread() is not self._accept_thread:
+            self._accept_thread.join(timeout=2.0)

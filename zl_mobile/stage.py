@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import sys
 import threading
@@ -22,7 +23,7 @@ import torch
 from .accumulate import WindowGradients
 from .adamw import AdamWConfig
 from .checkpoint import Checkpoint, CheckpointStore, restore_training_state
-from .links import InboundLink, InboundQueue, OutboundLink
+from .links import STALL_S, InboundLink, InboundQueue, OutboundLink, link_frame_limit
 from zl_common.program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
@@ -77,7 +78,7 @@ class StageConfig:
 class Stage:
     def __init__(self, export_dir: Path, chunk: dict, export: dict, cfg: StageConfig, workdir: Path,
                  to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0", load_program=ChunkProgram,
-                 link_delay=None, on_failure=None):
+                 link_delay=None, on_failure=None, listener=None, io_s: float = STALL_S):
         self.cfg = cfg
         self.on_failure = on_failure  # callable(stage, detect): an in-app failure dropped this stage
         self.alpha = torch.tensor([cfg.alpha if cfg.alpha is not None else export["alpha"]], dtype=torch.float32)
@@ -119,10 +120,12 @@ class Stage:
         self._window_stats: dict[int, dict] = {}  # window -> sums for its TELEMETRY "window" record
 
         self.queue = InboundQueue()
+        max_frame = link_frame_limit(self._link_elements())
         self.inbound = InboundLink(f"stage{self.k}-in", cfg.upstream_token, self.queue,
                                    inflight_depth=cfg.inflight_depth,
                                    next_needed=lambda: self.queue.next_after(self.next_mb), port=data_port,
-                                   bind=bind, delay=link_delay)
+                                   bind=bind, delay=link_delay, listener=listener, max_frame=max_frame,
+                                   stall_s=io_s, unusable=self._unusable)
         if ckpt is not None:
             self.inbound.last_commit = {"window": ckpt.window, "step": ckpt.step, "sha256": self.store.pointer()["sha256"]}
         self.outbound = None
@@ -133,7 +136,8 @@ class Stage:
                                          replay_horizon=cfg.replay_horizon, limiter=limiter,
                                          on_error=lambda text: self._report_error(text, fatal=True),
                                          on_gradient=self.grads_in.put, delay=link_delay,
-                                         store=ReplayStore(self.store.dir / "replay"), first_mb=self.next_mb)
+                                         store=ReplayStore(self.store.dir / "replay"), first_mb=self.next_mb,
+                                         max_frame=max_frame, stall_s=io_s)
             self.outbound.set_address(cfg.downstream)
         self._window_mark = self._counters()
         self._stop = threading.Event()
@@ -144,6 +148,29 @@ class Stage:
     @property
     def data_port(self) -> int:
         return self.inbound.port
+
+    def _link_elements(self) -> int:
+        """Elements of the tensors a link carries for this chunk: its data inputs (h or token ids,
+        masks, positions; not the LoRA weights) and its output h (GRADIENT comes back that big)."""
+        lora = set(self.program.lora_names)
+        n = sum(int(np.prod(t["shape"])) for t in self.program.input_spec("phase1") if t["name"] not in lora)
+        outputs = self.program.methods["phase1"].get("outputs") or []
+        return n + (int(np.prod(outputs[0]["shape"])) if outputs else 0)
+
+    def _unusable(self, msg: Message) -> str | None:
+        """Why the stage could never use this HIDDEN_STATE (None: it can). Checked as it arrives,
+        so a peer cannot park frames the stage will never take, nor kill it with a bad label."""
+        mb, w, nxt = msg["micro_batch"], msg["window"], self.next_mb
+        if mb < nxt:
+            return f"this stage is past it (it needs {nxt} next)"
+        if mb >= nxt + 2 * self.cfg.inflight_depth:
+            return (f"beyond what the {self.cfg.inflight_depth} credits allow from micro-batch {nxt}, the next "
+                    "this stage needs")
+        if self.cfg.total_micro_batches is not None and mb >= self.cfg.total_micro_batches:
+            return f"the run has {self.cfg.total_micro_batches} micro-batches"
+        if w != mb // self.cfg.window_size:
+            return f"labelled window {w}, but window size {self.cfg.window_size} puts it in window {mb // self.cfg.window_size}"
+        return None
 
     def rewire(self, downstream: str | None) -> None:
         if self.outbound is not None:
@@ -158,6 +185,10 @@ class Stage:
         self.inbound.close()
         if self.outbound is not None:
             self.outbound.close()
+        if not self._thread.is_alive():
+            # the program holds the .pte/.ptd descriptors (and its mapped weights): a replaced stage
+            # gives them back now, not whenever the collector finds this object's cycles
+            self.program = None
 
     # ---- the loop: run the schedule's actions in order
     def _run(self) -> None:
@@ -207,8 +238,8 @@ class Stage:
             if self._stop.is_set():
                 raise _Stopped
         msg = self._wait(self.queue, mb)
+        self.next_mb = mb + 1  # before the credit goes out: the frame it allows is then in range
         self.inbound.grant(1)
-        self.next_mb = mb + 1
         w = msg["window"]
         W = self.cfg.window_size
         if w != mb // W:
@@ -429,5 +460,13 @@ class _AppFailure(Exception):
 
 
 def _present(meta: dict) -> dict:
-    """Drop unavailable readings: absent on the wire, never a made-up value."""
-    return {k: v for k, v in meta.items() if v is not None}
+    """Drop unavailable readings: absent on the wire, never a made-up value. A NaN or infinite
+    reading (a diverging run: a loss of NaN) has no JSON form: it is left out and its key listed
+    in `nonfinite` (PROTOCOL.md 5.5), so the host hears of the divergence and the stage goes on."""
+    out = {k: v for k, v in meta.items() if v is not None}
+    bad = sorted(k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v))
+    for k in bad:
+        del out[k]
+    if bad:
+        out["nonfinite"] = bad
+    return out

@@ -14,6 +14,7 @@ from .frames import (DEFAULT_MAX_FRAME, HEADER_SIZE, TRAILER_SIZE, decode_body, 
 from .messages import Message
 
 SEND_CHUNK = 64 << 10
+FIRST_BODY_BUF = 64 << 10  # what a frame's body buffer starts at; it doubles as bytes arrive
 
 
 class Limiter(Protocol):
@@ -94,20 +95,22 @@ def _readable(sock: socket.socket, seconds: float) -> bool:
 
 
 def _recv_exact(sock: socket.socket, buf: memoryview, what: str, first: bool, deadline: float | None = None,
-                stall_s: float | None = None) -> None:
+                stall_s: float | None = None, done: int = 0, total: int | None = None) -> None:
+    """Fill `buf`; `done` bytes of a `total`-byte part were read before it (for the messages)."""
     got = 0
+    total = len(buf) if total is None else total
     while got < len(buf):
         if stall_s is not None and not _readable(sock, stall_s):  # reads only: sends keep their own pace
             if first and got == 0:
                 raise socket.timeout(f"nothing received for {stall_s:g} s")
             raise ProtocolError(ErrorCode.TIMEOUT,
-                                f"peer stalled mid-frame ({what}, {got} of {len(buf)} bytes, nothing for "
+                                f"peer stalled mid-frame ({what}, {done + got} of {total} bytes, nothing for "
                                 f"{stall_s:g} s); the connection is unusable, reconnect")
         if deadline is not None:  # one limit for the whole read: a byte now and then does not extend it
             left = deadline - time.monotonic()
             if left <= 0:
                 raise socket.timeout("deadline passed") if first and got == 0 else ProtocolError(
-                    ErrorCode.TIMEOUT, f"peer too slow ({what}, {got} of {len(buf)} bytes by the deadline); "
+                    ErrorCode.TIMEOUT, f"peer too slow ({what}, {done + got} of {total} bytes by the deadline); "
                                        "the connection is unusable, reconnect")
             sock.settimeout(left)
         try:
@@ -116,13 +119,13 @@ def _recv_exact(sock: socket.socket, buf: memoryview, what: str, first: bool, de
             if first and got == 0:
                 raise  # nothing of a frame read yet: an ordinary timeout, the stream is intact
             raise ProtocolError(ErrorCode.TIMEOUT,
-                                f"peer stalled mid-frame ({what}, {got} of {len(buf)} bytes); "
+                                f"peer stalled mid-frame ({what}, {done + got} of {total} bytes); "
                                 "the connection is unusable, reconnect") from None
         if n == 0:
             if first and got == 0:
                 raise ConnectionClosed("peer closed the connection")
             raise ProtocolError(ErrorCode.TRUNCATED,
-                                f"stream ended inside a frame ({what}: {got} of {len(buf)} bytes); "
+                                f"stream ended inside a frame ({what}: {done + got} of {total} bytes); "
                                 "the peer closed or crashed mid-frame")
         got += n
 
@@ -130,7 +133,7 @@ def _recv_exact(sock: socket.socket, buf: memoryview, what: str, first: bool, de
 def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, deadline: float | None = None,
                  stall_s: float | None = None) -> Message:
     """Read exactly one frame: 16 header bytes, validate them (size limit included), then
-    allocate and read the body. Raises ConnectionClosed on EOF between frames, ProtocolError
+    read the body into a buffer that grows as its bytes arrive. Raises ConnectionClosed on EOF between frames, ProtocolError
     otherwise (TRUNCATED on EOF mid-frame, TIMEOUT on a socket timeout mid-frame); a socket
     timeout before the first byte propagates as socket.timeout (TimeoutError). With `deadline`
     (time.monotonic()) the whole frame must arrive by then; the socket's timeout is changed. With
@@ -139,7 +142,18 @@ def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, dea
     head_buf = bytearray(HEADER_SIZE)
     _recv_exact(sock, memoryview(head_buf), "header", first=True, deadline=deadline, stall_s=stall_s)
     head = parse_header(head_buf, max_frame)
-    rest = bytearray(head.body_len + TRAILER_SIZE)
-    _recv_exact(sock, memoryview(rest), f"{head.type.name} body", first=False, deadline=deadline, stall_s=stall_s)
+    need = head.body_len + TRAILER_SIZE
+    # the buffer grows with the bytes that arrive (doubling, from 64 KiB): a header that declares
+    # 256 MiB and then sends nothing commits 64 KiB, not 256 MiB zeroed before the first body byte
+    rest = bytearray(min(need, FIRST_BODY_BUF))
+    got = 0
+    while True:
+        with memoryview(rest) as view:
+            _recv_exact(sock, view[got:], f"{head.type.name} body", first=False, deadline=deadline,
+                        stall_s=stall_s, done=got, total=need)
+        got = len(rest)
+        if got == need:
+            break
+        rest.extend(bytes(min(need, 2 * got) - got))  # calloc'd pages: committed as they are filled
     (crc,) = struct.unpack_from("<I", rest, head.body_len)
     return decode_body(head.type, memoryview(rest)[:head.body_len], crc)
