@@ -81,7 +81,7 @@ def cmd_eval(a) -> int:
     from exporter.manifest import ManifestError, load_manifest
 
     from .adapter import base_model_path
-    from .evaluate import evaluate, split_held_out
+    from .evaluate import split_held_out
 
     program = Path(a.program)
     try:
@@ -108,8 +108,11 @@ def cmd_eval(a) -> int:
 
     _, held_out = split_held_out(prepare_data(program, manifest, a.data, training=False))
     base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
-    before = evaluate(base, None, held_out, base_weights)
-    after = evaluate(base, adapter, held_out, base_weights)
+    from .eval_progress import evaluate_both, working
+    before, after = evaluate_both(base, adapter, held_out, base_weights, console)
+    from .tensorboard_log import eval_run_dir, write_eval
+    if (run_dir := eval_run_dir(adapter)) is not None:  # next to the run's training curves in TensorBoard
+        write_eval(run_dir, before, after, _trained_micro_batches(run_dir))
     print(f"held-out answer tokens: {after['tokens']} (base weights {base_weights}, as trained)")
     print(f"base model:    NLL {before['nll']:.4f}  accuracy {before['accuracy']:.3f}")
     print(f"with adapter:  NLL {after['nll']:.4f}  accuracy {after['accuracy']:.3f}")
@@ -123,10 +126,22 @@ def cmd_eval(a) -> int:
         table = Table(title=f"{a.show} held-out prompts: the base model's answer and the adapter's (greedy)")
         for col in ("prompt", "expected", "base model", "with adapter"):
             table.add_column(col, overflow="fold")
-        for r in side_by_side(base, adapter, held_out, tok, a.show, base_weights):
+        with working(console, f"eval: greedy answers for {a.show} prompts, base model and adapter"):
+            rows = side_by_side(base, adapter, held_out, tok, a.show, base_weights)
+        for r in rows:
             table.add_row(r["prompt"], r["expected"], r["base"], r["adapter"])
         Console(soft_wrap=False).print(table)
     return 0
+
+
+def _trained_micro_batches(run_dir: Path) -> int:
+    """The TensorBoard step of a run's eval: the micro-batches it trained (summary.json), else 0."""
+    import json
+
+    try:
+        return int(json.loads((run_dir / "summary.json").read_text()).get("micro_batches", 0))
+    except (OSError, ValueError, TypeError):
+        return 0
 
 
 # ---------------------------------------------------------------- main

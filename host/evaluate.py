@@ -8,10 +8,12 @@ import numpy as np
 import torch
 
 
-def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict], base_weights: str = "fp32") -> dict:
+def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict], base_weights: str = "fp32",
+             progress=None) -> dict:
     """`model_dir`: the base model, a HF directory or a GGUF file (host.adapter.base_model_path).
     `base_weights`: the export's (manifest "export"): an adapter trained on an int8 base is
-    evaluated on the same int8 base."""
+    evaluated on the same int8 base. `progress(done, total)`, if given, after loading (done 0)
+    and after each micro-batch."""
     from peft import PeftModel
 
     from exporter.base_weights import quantize_base
@@ -22,8 +24,12 @@ def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict]
     if adapter_dir is not None:
         model = PeftModel.from_pretrained(model, str(adapter_dir)).eval()
     nll_sum, correct, count = 0.0, 0, 0
+    if progress is not None:
+        progress(0, len(micro_batches))
     with torch.no_grad():
-        for b in micro_batches:
+        for i, b in enumerate(micro_batches):
+            if progress is not None and i:
+                progress(i, len(micro_batches))
             ids = torch.from_numpy(b["input_ids"])
             labels = torch.from_numpy(b["labels"])  # already shifted: labels[i] is the target at position i
             logits = model(input_ids=ids, attention_mask=torch.from_numpy(b["attention_mask"])).logits
@@ -35,6 +41,8 @@ def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict]
             nll_sum += float(-logp.gather(1, tgt[:, None]).sum())
             correct += int((logp.argmax(-1) == tgt).sum())
             count += int(valid.sum())
+    if progress is not None:
+        progress(len(micro_batches), len(micro_batches))
     if count == 0:
         raise ValueError("the evaluation data has no answer tokens: check the dataset")
     return {"nll": nll_sum / count, "accuracy": correct / count, "tokens": count}

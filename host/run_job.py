@@ -222,16 +222,25 @@ def train(cfg: RunConfig, job: Job, devices: Devices):
     view = LiveView(job.stages, job.settings.micro_batches, job.manifest["export"]["micro_batch"])
     if devices.adb is not None:
         devices.adb_events.append(view.on_event)
-    on_event, watch = view.on_event, None
+    from .tensorboard_log import RunEvents
+
+    board = None
+
+    def on_event(kind, data):
+        view.on_event(kind, data)
+        board.on_event(kind, data)
+    watch = None
     handles = devices.handles
     co = None
     try:
+        board = RunEvents(job.run_dir, job.manifest["export"]["micro_batch"])  # tensorboard --logdir runs, live
         if job.plan is not None:
             from .plan_cli import drift_watch, order_by_plan
             watch = drift_watch(job.plan, cfg.drift_margin, job.settings.window_size, job.run_dir, say)
 
             def view_and_watch(kind, data):
                 view.on_event(kind, data)
+                board.on_event(kind, data)
                 watch.on_event(kind, data)
             on_event = view_and_watch
             handles = order_by_plan(handles, job.plan)  # the plan's phones in its stage order
@@ -248,6 +257,8 @@ def train(cfg: RunConfig, job: Job, devices: Devices):
     except (PlanError, RunError) as e:
         raise CliError(str(e)) from None
     finally:
+        if board is not None:
+            board.close()
         devices.close(co)
     return result, watch
 
