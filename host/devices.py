@@ -59,9 +59,9 @@ def find_devices(timeout: float = 2.0, interfaces: str = "loopback", want: int |
     for r in found:
         if r.status != "ok":
             notes.append(f"skipped {r.instance!r} at {r.endpoint or '?'}: {r.status} TXT record ({r.problem})")
-    names = [r.name for r in found if r.status == "ok"]
+    names = [name_key(r.name) for r in found if r.status == "ok"]
     for n in sorted({n for n in names if names.count(n) > 1}):
-        alike = ", ".join(r.endpoint for r in found if r.name == n and r.status == "ok")
+        alike = ", ".join(r.endpoint for r in found if name_key(r.name) == n and r.status == "ok")
         notes.append(f"{names.count(n)} devices named {n!r} ({alike}): name one by ADDRESS:PORT on --devices")
     from .adb import adb_status
 
@@ -126,7 +126,7 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
         else:
             # namesakes over every look so far: one look, on a loaded network, may hear only one of two
             pool = [r for r in ever.values() if reachable(r)]
-            shared = {r.name for r in pool if sum(o.name == r.name for o in pool) > 1}
+            shared = {r.name for r in pool if sum(name_key(o.name) == name_key(r.name) for o in pool) > 1}
             alike |= shared
             chosen = [r for r in usable if r.name in tokens and r.name not in shared][:need]
             if len(chosen) >= need and looks >= 2:  # a second look before choosing: no namesake missed
@@ -160,7 +160,7 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
     missing_token = [r.name for r in chosen if token_of(r) is None]
     if missing_token:
         raise DeviceLookupError(f"no pairing token for {', '.join(missing_token)}: pass --tokens FILE (JSON NAME -> token shown on the phone)")
-    dup = {r.name for r in chosen if sum(o.name == r.name for o in chosen) > 1}
+    dup = {r.name for r in chosen if sum(name_key(o.name) == name_key(r.name) for o in chosen) > 1}
     handles = []
     for r in chosen:
         if r.source == "adb":
@@ -177,6 +177,12 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
     return handles
 
 
+def name_key(name: str | None) -> str | None:
+    """Device and instance names compare case-insensitively, in ASCII as DNS does (PROTOCOL.md
+    10.2): `Alpha` and `alpha` are one name, `Ä` and `ä` two."""
+    return None if name is None else "".join(c.lower() if c.isascii() else c for c in name)
+
+
 def pick(spec: str, usable: list[Reachable]) -> Reachable | None:
     """The one device `spec` names: an ADDRESS:PORT, an adb serial, an mDNS instance, or a name.
     None if none; DeviceLookupError if the name is shared (it says how to name each)."""
@@ -184,7 +190,7 @@ def pick(spec: str, usable: list[Reachable]) -> Reachable | None:
         hits = [r for r in usable if key(r) == spec]
         if len(hits) == 1:
             return hits[0]
-    hits = [r for r in usable if r.name == spec]
+    hits = [r for r in usable if name_key(r.name) == name_key(spec)]
     if len(hits) > 1:
         alike = ", ".join(f"{r.label} ({r.source}{', instance ' + repr(r.instance) if r.instance else ''})" for r in hits)
         raise DeviceLookupError(f"--devices {spec}: {len(hits)} devices are named {spec!r} ({alike}): name the one you "
@@ -192,7 +198,7 @@ def pick(spec: str, usable: list[Reachable]) -> Reachable | None:
                                 f"{hits[0].label}; tokens for them may be keyed the same way in --tokens")
     if hits:
         return hits[0]
-    hits = [r for r in usable if r.instance == spec]
+    hits = [r for r in usable if r.instance and name_key(r.instance) == name_key(spec)]
     return hits[0] if len(hits) == 1 else None
 
 

@@ -70,10 +70,26 @@ def instance_name_problem(name: str) -> str | None:
     return None
 
 
+def unadvertisable_problem(name: str) -> str | None:
+    """Why python-zeroconf cannot put `name` on the wire as one label, or None. It writes every
+    dot as a label break (ZlZeroconf joins them again): a leading, trailing or doubled dot is an
+    empty label, which ends a DNS name mid-way (a malformed packet nobody parses), and a last
+    part `_sub` reads as a DNS-SD subtype."""
+    if name.startswith(".") or name.endswith(".") or ".." in name:
+        return "starts or ends with '.' or holds '..'"
+    if name.rpartition(".")[2].lower() == "_sub" and "." in name:
+        return "ends in '._sub', which DNS-SD reads as a subtype"
+    return None
+
+
 def check_instance_name(name: str) -> str:
     problem = instance_name_problem(name)
     if problem:
         raise InstanceNameError(f"device name {name!r} {problem}: use a shorter name without control characters")
+    problem = unadvertisable_problem(name)
+    if problem:  # PROTOCOL.md 10.2 allows it; this device's mDNS stack cannot carry it
+        raise InstanceNameError(f"device name {name!r} {problem}, which this phone's mDNS stack cannot advertise "
+                                "as one label: use dots only between other characters (e.g. 'Dr. Who')")
     return name
 
 
