@@ -191,6 +191,8 @@ class DistStage:
         self.device_name = f"rank{self.k}@{socket.gethostname()}:{device}"
         (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
         self.metrics = open(run_dir / "ranks" / f"rank_{self.k}.jsonl", "a")
+        from .tensorboard_log import RunEvents  # each rank its own stage's curves, live (tensorboard --logdir)
+        self.board = RunEvents(run_dir, manifest["export"]["micro_batch"])
         take_peak_rss_bytes()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -201,6 +203,7 @@ class DistStage:
                **{k: v for k, v in meta.items() if v is not None}}
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
+        self.board.on_event(type_.lower(), rec)
 
     def _cuda_peak(self):
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -542,6 +545,7 @@ def _run_one(a, manifest, train, windows, device, ctrl, wire) -> None:
         extra = {"schedule": "zerolock", "rss_peak_bytes": stage.peak_rss or None,
                  "cuda_max_allocated_bytes": stage._cuda_peak()}
         stage.metrics.close()
+        stage.board.close()
         del stage
     else:
         from .dist_pipelining import run_baseline
@@ -558,6 +562,12 @@ def _run_one(a, manifest, train, windows, device, ctrl, wire) -> None:
         records = [json.loads(x) for part in got for x in part[1]]
         first = min((r["t"] for r in records if r["type"] == "DIST_RESUME"), default=time.time())
         per_rank = {f"rank_{i}": part[2] for i, part in enumerate(got) if part[2]}
+        if a.schedule != "zerolock":  # torch's schedules log windows only, at the end: rank 0 writes their events
+            from .tensorboard_log import RunEvents
+            board = RunEvents(Path(a.out), manifest["export"]["micro_batch"])
+            for r in sorted(records, key=lambda r: r["t"]):
+                board.on_event(r["type"].lower(), r)
+            board.close()
         adapter = write_run_dir(a, manifest, windows, run_id, time.time() - first, merged, records,
                                 {"ranks": per_rank} if per_rank else None)
         print(f"zl-dist: {a.schedule}: adapter {adapter}  report {Path(a.out) / 'report.md'}", file=sys.stderr)

@@ -72,3 +72,34 @@ def test_eval_adds_held_out_metrics_and_shows_progress(tb_run, small_export, cap
     (e,) = sc["eval/nll_adapter"]
     assert e.step == step and e.value == pytest.approx(nll, abs=1e-4)
     assert {"eval/accuracy_adapter", "eval/nll_base", "eval/accuracy_base"} <= set(sc)
+
+
+def test_zl_dist_ranks_write_events(small_export, tb_run, tmp_path):
+    """zl-dist under real torchrun (Gloo, 3 ranks): each ZeroLock rank writes its stage's curves into
+    the run dir as it goes; for torch's GPipe schedule rank 0 writes them from the gathered records."""
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    _, data = tb_run
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "dist"
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "3", "--master-addr",
+                        "127.0.0.1", "--master-port", str(port), "-m", "host.dist", "--program", str(small_export[0]),
+                        "--data", str(data), "--steps", "1", "--window", "3", "--threads", "1",
+                        "--schedule", "zerolock,gpipe", "--out", str(out)],
+                       env={**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"},
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    zl = _scalars(out / "zerolock")
+    for k in range(3):
+        assert [e.step for e in zl[f"task_loss/stage{k}"]] == [0, 1, 2]
+        assert [e.step for e in zl[f"samples_per_s/stage{k}"]] == [0]
+    assert len(list((out / "zerolock").glob("events.out.tfevents.*"))) == 3  # one writer per rank
+    gp = _scalars(out / "gpipe")
+    assert {f"samples_per_s/stage{k}" for k in range(3)} <= set(gp)
