@@ -47,10 +47,14 @@ def cmd_emulate(a) -> int:
     from .emulate import cpu_shares, start_phones
     from .devices import PHONES_HOME
 
+    from .kotlin_phone import advertise, parse_runtimes
+
     shares = cpu_shares(a.cpu_share, a.n)
-    phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix, cpu_shares=shares)
+    phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix, cpu_shares=shares,
+                          runtimes=parse_runtimes(a.runtime, a.n))
+    ads = advertise(phones)  # the Kotlin phones' mDNS records, held here while they run
     for i, p in enumerate(phones):
-        print(f"{p.name}: {p.endpoint} pid {p.proc.pid}, work dir {p.workdir}"
+        print(f"{p.name}: {p.endpoint} pid {p.proc.pid}, {p.runtime} runtime, work dir {p.workdir}"
               + (f", CPU budget {shares[i]:g} of a core" if shares else ""))
     pids = " ".join(str(p.proc.pid) for p in phones)
     print(f"{a.n} emulated phone(s) running, advertised over mDNS on loopback. Stop them with: kill {pids}"
@@ -61,6 +65,8 @@ def cmd_emulate(a) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        for ad in ads:
+            ad.close()
         for p in phones:
             p.stop()
     return 0
@@ -189,6 +195,9 @@ def build_parser():
     e = sub.add_parser("emulate", help="start N emulated phones (zl-phone processes)")
     e.add_argument("n", type=int)
     e.add_argument("--prefix", default="emu")
+    e.add_argument("--runtime", default=None, metavar="python|kotlin|R1,R2,...",
+                   help="what the phones run: python (zl-phone, default) or kotlin (the app's core on the JVM, "
+                        "on ExecuTorch's C++ runtime); one for all or one per phone")
     e.add_argument("--cpu-share", default=None, metavar="F|F1,F2,...",
                    help="hold each phone to this share of one CPU core (one value, or one per phone), in a cgroup of "
                         "its own (needs root and the cgroup cpu controller)")
@@ -242,6 +251,9 @@ def build_parser():
                                                 "phones, and a report when the stage times drift from it")
     r.add_argument("--drift-margin", type=_positive, default=0.15,
                    help="with --plan: report when the slowest stage is this far off the plan (0.15: 15%%)")
+    r.add_argument("--runtime", default=None, metavar="python|kotlin|R1,R2,...",
+                   help="with --devices emulated:N: what the phones run, python (zl-phone, default) or kotlin (the "
+                        "app's core on the JVM, on ExecuTorch's C++ runtime); one for all or one per phone")
     r.add_argument("--mem-limit", default=None, help="with --devices emulated:N: each phone's memory limit "
                                                      "(zl-phone --mem-limit), one for all or A,B,...")
     from .plan_cli import add_parsers

@@ -41,18 +41,26 @@ class EmulatedPhone:
     def endpoint(self) -> str:
         return f"{self.address}:{self.port}"
 
-    def start(self, timeout: float = 60.0) -> "EmulatedPhone":
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        self.log_path = self.workdir / "phone.log"
+    runtime = "python"  # the phone's runtime (host/kotlin_phone.py: "kotlin")
+    advertises = True   # ready once it says it is advertised over mDNS (unless --mdns none)
+
+    def command(self) -> list[str]:
         cmd = [*(self.net.prefix if self.net else []), sys.executable, "-m", "zl_mobile.phone", "--name", self.name,
                "--workdir", str(self.workdir), "--token", self.token, "--port", str(self.port),
                *(["--bind", self.net.address] if self.net else []), *self.extra_args]
         if "--cpu-share" in self.extra_args:  # budgeted from the start; a launcher, as `ip netns exec` hides the cgroups
             cmd = [sys.executable, "-m", "zl_mobile.cpu_budget",
                    self.extra_args[self.extra_args.index("--cpu-share") + 1], "--", *cmd]
+        return cmd
+
+    def start(self, timeout: float = 60.0) -> "EmulatedPhone":
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.workdir / "phone.log"
+        cmd = self.command()
         log = open(self.log_path, "ab")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log, env=env,
+                                     start_new_session=True)
         deadline = time.time() + timeout
         port = None
         while time.time() < deadline:
@@ -61,7 +69,7 @@ class EmulatedPhone:
                 break
             if "listening on" in line:
                 port = int(line.split("listening on ")[1].split(",")[0].rpartition(":")[2])
-            if line.startswith("advertised") or ("--mdns" in self.extra_args and port):
+            if line.startswith("advertised") or (("--mdns" in self.extra_args or not self.advertises) and port):
                 break
         if port is None:
             self.stop()
@@ -209,11 +217,22 @@ def budget_args(share: float) -> list[str]:
     return ["--cpu-share", f"{share:g}"]
 
 
+def phone_class(runtime: str):
+    """The emulated phone of a runtime: zl-phone ("python") or the Kotlin core on the JVM ("kotlin")."""
+    if runtime == "kotlin":
+        from .kotlin_phone import KotlinPhone
+
+        return KotlinPhone
+    return EmulatedPhone
+
+
 def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_phone_args=None,
-                 network: "ShapedNetwork | None" = None, cpu_shares: list[float] | None = None) -> list[EmulatedPhone]:
+                 network: "ShapedNetwork | None" = None, cpu_shares: list[float] | None = None,
+                 runtimes: list[str] | None = None) -> list[EmulatedPhone]:
     """Start n phones; with 2+ cores each phone is pinned to its own core (round robin), or, with
     `cpu_shares`, phone i is held to cpu_shares[i] of one core (zl-phone --cpu-share) instead.
-    With `network` (an open host.netns.ShapedNetwork of n phones) phone i runs in its namespace."""
+    With `network` (an open host.netns.ShapedNetwork of n phones) phone i runs in its namespace.
+    `runtimes[i]` ("python" or "kotlin", host/kotlin_phone.py) says what phone i runs."""
     phones = []
     cores = sorted(os.sched_getaffinity(0))
     try:
@@ -226,8 +245,9 @@ def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_p
             elif len(cores) > 1:
                 args += ["--cpus", str(cores[i % len(cores)]), "--threads", "1"]
             net = network.phones[i] if network else None
-            phones.append(EmulatedPhone(f"{prefix}{i}", Path(root) / f"{prefix}{i}", secrets.token_hex(32), args,
-                                        net=net).start())
+            cls = phone_class(runtimes[i] if runtimes else "python")
+            phones.append(cls(f"{prefix}{i}", Path(root) / f"{prefix}{i}", secrets.token_hex(32), args,
+                              net=net).start())
     except BaseException:
         for p in phones:
             p.stop()

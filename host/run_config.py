@@ -36,6 +36,7 @@ class RunConfig:
     link_delay_ms: float = 0.0         # ... and one-way latency
     cpu_share: str | None = None       # emulated phones: F or F1,...,FN of one core
     mem_limit: str | None = None       # emulated phones: one limit or one per phone
+    runtime: str | None = None         # emulated phones: python | kotlin, or one per phone (host/kotlin_phone.py)
     heartbeat_timeout: float = 5.0
     recovery: str = "local"            # or global-rollback (the BP baseline's)
     inject_failure: list[str] = field(default_factory=list)

@@ -142,26 +142,30 @@ def bring_up(cfg: RunConfig, job: Job) -> Devices:
         return _emulated(cfg, job, emulated_count(job.devices))
     if cfg.cpu_share is not None:
         raise CliError("--cpu-share budgets emulated phones only: use --devices emulated:N")
+    if cfg.runtime is not None:
+        raise CliError("--runtime picks what emulated phones run: use --devices emulated:N (a real phone runs the app)")
     if job.links.mbit or job.links.delay_ms:
         raise CliError("--link-mbit / --link-delay-ms shape emulated phones' links only: use --devices emulated:N")
     return _real(cfg, job)
 
 
 def _emulated(cfg: RunConfig, job: Job, n: int) -> Devices:
-    from .emulate import EmulatedPhone, cpu_shares, start_phones
+    from .emulate import cpu_shares, phone_class, start_phones
+    from .kotlin_phone import parse_runtimes
     from .netns import NetnsError
 
     if n < job.stages:
         raise CliError(f"{n} emulated phone(s) for {job.stages} chunks: use --devices emulated:{job.stages}")
     shares = None if cfg.resume else cpu_shares(cfg.cpu_share, n)  # a resumed run's phones keep their arguments
+    runtimes = parse_runtimes(cfg.runtime, n)
     try:
         network, phone_args, how = job.links.open(n)
     except NetnsError as e:
         raise CliError(f"cannot make the phones' network: {e}; run without --link-mbit") from None
     try:
         if cfg.resume and job.saved.get("phones"):
-            phones = [EmulatedPhone(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"],
-                                    net=network.phones[i] if network else None).adopt_or_start(p.get("pid"))
+            phones = [phone_class(p.get("runtime", "python"))(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"],
+                                                              net=network.phones[i] if network else None).adopt_or_start(p.get("pid"))
                       for i, p in enumerate(job.saved["phones"])]
         else:
             say(f"starting {n} emulated phones ({how})")
@@ -172,7 +176,7 @@ def _emulated(cfg: RunConfig, job: Job, n: int) -> Devices:
                 check_mem_limits(limits)
                 per_phone = emulated_phone_args(n, limits, shares)
             phones = start_phones(n, job.run_dir / "phones", extra_args=phone_args, network=network,
-                                  per_phone_args=per_phone, cpu_shares=shares)
+                                  per_phone_args=per_phone, cpu_shares=shares, runtimes=runtimes)
     except BaseException:
         if network is not None:
             network.close()
@@ -203,7 +207,7 @@ def _write_run_record(job: Job, devices: Devices, co) -> None:
               "settings": job.settings.to_json(), "link_tokens": co.link_tokens, "link": asdict(job.links),
               **({"plan": str(Path(job.plan_path).absolute())} if job.plan is not None else {}),
               "phones": [{"name": p.name, "workdir": str(p.workdir), "token": p.token, "args": p.extra_args,
-                          "port": p.port, "pid": p.pid} for p in devices.phones]}
+                          "port": p.port, "pid": p.pid, "runtime": p.runtime} for p in devices.phones]}
     tmp = job.run_dir / "run.json.tmp"
     tmp.write_text(json.dumps(record, indent=2))
     tmp.chmod(0o600)  # holds pairing tokens

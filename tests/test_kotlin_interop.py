@@ -50,7 +50,7 @@ class KotlinDevice:
     def __init__(self, classpath: str, tmp: Path, token: str):
         self.token = token
         self.proc = subprocess.Popen(
-            ["java", "-cp", classpath, "org.zerolock.core.DeviceMain", "--port", "0", "--bind", "127.0.0.1",
+            ["java", "-cp", classpath, "org.zerolock.core.DeviceMain", "--runtime", "affine", "--port", "0", "--bind", "127.0.0.1",
              "--token", token, "--name", "kotlin-interop", "--dir", str(tmp)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.port = None

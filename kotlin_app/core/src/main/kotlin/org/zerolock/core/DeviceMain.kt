@@ -3,54 +3,95 @@ package org.zerolock.core
 import org.zerolock.core.device.AffineChunkRunner
 import org.zerolock.core.device.DeviceInfo
 import org.zerolock.core.device.DeviceServer
+import org.zerolock.core.device.ManifestRunnerFactory
 import org.zerolock.core.device.RunnerFactory
+import org.zerolock.core.executorch.EtLibrary
+import org.zerolock.core.executorch.ExecuTorchBackend
 import org.zerolock.core.protocol.Handshake
 import java.io.File
 import java.net.InetAddress
 import java.nio.file.Files
+import kotlin.system.exitProcess
 
 /**
- * A minimal ZeroLock device on the JVM (no ExecuTorch): serves ZLWP/1 with the
- * [AffineChunkRunner] stand-in chunk. Used by tests/test_kotlin_interop.py and for demos.
+ * A Kotlin phone on the JVM: the app's core (protocol, links, stage runtime, AdamW, checkpoints)
+ * minus its Android layer, serving ZLWP/1 like zl-phone.
  *
  *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.DeviceMain \
- *        [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME] [--dir DIR]
+ *        [--runtime executorch|affine] [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME]
+ *        [--workdir DIR] [--threads N] [--detach]
  *
- * Prints `TOKEN <hex>` and `LISTENING <port>` on stdout once it accepts connections, then
- * serves until stdin closes or the process is killed. As with zl-phone, STAGE_ASSIGN opens the
- * stage's data port (ACK `data_port`) for the upstream link / the host's feed.
+ * `--runtime executorch` (the default) runs the pushed chunk (zl-export's .pte + .ptd) through
+ * ExecuTorch's C++ runtime (kotlin_app/jni, built by run_tests.sh); `affine` is the stand-in chunk
+ * h*(1+a)+b that protocol tests use. `--threads` sizes ExecuTorch's thread pool.
+ *
+ * Prints `TOKEN <hex>`, `LISTENING <port>` and a zl-phone-like `NAME: listening on ADDR:PORT`
+ * line once it accepts connections, then serves until stdin closes (the parent went away) or,
+ * with `--detach`, until it is killed. As with zl-phone, STAGE_ASSIGN opens the stage's data port.
  */
 object DeviceMain {
+    const val USAGE = "usage: DeviceMain [--runtime executorch|affine] [--port N] [--bind ADDR] [--token HEX64] [--name NAME] " +
+        "[--workdir DIR] [--threads N] [--detach]"
+
+    /** What HELLO's runtime_version and the TXT record's `runtime` say, per --runtime. */
+    fun runtimeLabel(runtime: String): String = if (runtime == "affine") "kotlin/affine" else "kotlin/executorch"
+
     @JvmStatic
     fun main(args: Array<String>) {
+        try {
+            run(args)
+        } catch (e: UsageError) {
+            System.err.println("DeviceMain: error: ${e.message}")
+            exitProcess(2)
+        }
+    }
+
+    private class UsageError(msg: String) : Exception(msg)
+
+    private fun run(args: Array<String>) {
         var port = 0
         var bind = "127.0.0.1"
         var token: String? = null
         var name = "kotlin-device"
         var dir: File? = null
+        var runtime = "executorch"
+        var threads = 0
+        var detach = false
         var i = 0
-        fun value(): String = args.getOrNull(++i) ?: error("${args[i - 1]} needs a value")
+        fun value(): String = args.getOrNull(++i) ?: throw UsageError("${args[i - 1]} needs a value")
+        fun int(what: String, range: IntRange): Int = value().let { v ->
+            v.toIntOrNull()?.takeIf { it in range } ?: throw UsageError("$what must be a whole number in ${range.first}..${range.last}, got '$v'")
+        }
         while (i < args.size) {
             when (args[i]) {
-                "--port" -> port = value().toInt()
+                "--port" -> port = int("--port", 0..65535)
                 "--bind" -> bind = value()
                 "--token" -> token = value()
                 "--name" -> name = value()
-                "--dir" -> dir = File(value())
-                "-h", "--help" -> { println("usage: DeviceMain [--port N] [--bind ADDR] [--token HEX64] [--name NAME] [--dir DIR]"); return }
-                else -> error("unknown argument ${args[i]}")
+                "--dir", "--workdir" -> dir = File(value())
+                "--runtime" -> runtime = value().also { if (it !in listOf("executorch", "affine")) throw UsageError("--runtime must be executorch or affine, got '$it'") }
+                "--threads" -> threads = int("--threads", 1..256)
+                "--detach" -> detach = true
+                "-h", "--help" -> { println(USAGE); return }
+                else -> throw UsageError("unknown argument ${args[i]}; $USAGE")
             }
             i++
         }
         val tok = token ?: Handshake.newToken()
-        Handshake.parseToken(tok)
+        try { Handshake.parseToken(tok) } catch (e: Exception) { throw UsageError("--token: ${e.message}") }
         val root = dir ?: Files.createTempDirectory("zl-device").toFile()
+        val runners = if (runtime == "affine") RunnerFactory { _, _ -> AffineChunkRunner() } else {
+            // load the bridge now: a phone that cannot run chunks says so at start, not at STAGE_ASSIGN
+            val registry = try { EtLibrary.ensureLoaded(threads) } catch (e: IllegalStateException) { throw UsageError(e.message ?: "$e") }
+            System.err.println("[device] ExecuTorch: $registry")
+            ManifestRunnerFactory { program, weights -> ExecuTorchBackend.load(program, weights) }
+        }
         val server = DeviceServer(
-            info = DeviceInfo(name, "kotlin-core (affine stand-in chunk)", Runtime.getRuntime().maxMemory(), listOf("lora", "replay")),
+            info = DeviceInfo(name, runtimeLabel(runtime), Runtime.getRuntime().maxMemory(), listOf("lora", "replay")),
             token = tok,
             filesDir = File(root, "files"),
             checkpointDir = File(root, "checkpoints"),
-            runners = RunnerFactory { _, _ -> AffineChunkRunner() },
+            runners = runners,
             // PSS from /proc/self/smaps_rollup where Linux has it (else the JVM heap in use); no temperature
             stats = { Pair(ProcStats.SELF.pssBytes() ?: (Runtime.getRuntime().totalMemory() - Runtime.getRuntime().freeMemory()), null) },
             log = { System.err.println("[device] $it") },
@@ -58,7 +99,12 @@ object DeviceMain {
         val p = server.start(port, InetAddress.getByName(bind))
         println("TOKEN $tok")
         println("LISTENING $p")
+        println("$name: listening on $bind:$p, work dir $root, runtime ${runtimeLabel(runtime)}")
         System.out.flush()
+        if (detach) {
+            Runtime.getRuntime().addShutdownHook(Thread { server.close() })
+            Thread.currentThread().join() // until killed
+        }
         // serve until stdin closes (the parent process went away) or we are killed
         try { while (System.`in`.read() >= 0) {} } catch (_: Exception) {}
         server.close()

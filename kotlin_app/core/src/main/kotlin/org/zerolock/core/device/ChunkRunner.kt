@@ -70,8 +70,8 @@ interface ChainingBackend : MethodBackend {
 /**
  * A chunk described by its entry in zl-export's manifest.json (`chunks[k]`): `methods.phase1` /
  * `methods.phase2` give input and output names (and input shapes/dtypes), `lora` the adapter
- * tensors. Inputs are matched by name: LoRA tensors from the adapter, "h_in" from the
- * HIDDEN_STATE tensor "h", any other from the micro-batch's tensors of that name (loss_index /
+ * tensors. Inputs are matched by name: LoRA tensors from the adapter, the chunk's `first_input`
+ * ("h_in", or "input_ids" for chunk 0) from the HIDDEN_STATE tensor "h", any other from the micro-batch's tensors of that name (loss_index /
  * loss_target / loss_weight: the readout the stage gathered into [readoutRows]; alpha: the loss
  * weight the stage resolved from config.alpha or [alpha]), and phase-2
  * inputs also from phase 1's outputs. Phase 1 outputs "h_out" first; phase 2 outputs
@@ -135,6 +135,8 @@ class ManifestChunkRunner(
     }
 
     private val phase2Names = p2In.map { it.name }.toSet()
+    /** The input HIDDEN_STATE's "h" feeds: h_in, or input_ids for the first chunk (manifest `first_input`). */
+    private val firstInput = chunk["first_input"] as? String ?: "h_in"
 
     /** Each input of [method] by name: a LoRA tensor, a tensor of [pool], or an output [kept] by the backend. */
     private fun gather(method: String, specs: List<Spec>, pool: Map<String, Tensor>, lora: Map<String, FloatArray>,
@@ -143,7 +145,7 @@ class ManifestChunkRunner(
             kept[s.name]?.takeIf { s.name !in lora && s.name !in pool }?.let { return@map it }
             val t = lora[s.name]?.let { Tensor.ofFloats(it, *loraShapes[s.name]!!) }
                 ?: pool[s.name]
-                ?: (if (s.name == "h_in") pool["h"] else null)
+                ?: (if (s.name == firstInput) pool["h"] else null)
                 ?: throw IllegalArgumentException("$method needs input '${s.name}', which the micro-batch does not carry")
             if (s.shape != null && !s.shape.contentEquals(t.shape)) {
                 throw IllegalArgumentException("$method input '${s.name}' has shape ${t.shape.toList()}, the program was exported for ${s.shape.toList()}: pad the micro-batch or re-export")
