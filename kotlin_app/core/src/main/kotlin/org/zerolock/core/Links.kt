@@ -19,6 +19,8 @@ import java.util.TreeMap
 object LinkRules {
     /** "To the end" in REPLAY_REQUEST (2^53: the largest integer every JSON reader keeps exact). */
     const val NO_END: Long = 1L shl 53
+    /** PROTOCOL.md 6: a frame begun on a link with no byte for this long is a stall (TIMEOUT). */
+    const val STALL_MS: Int = 10_000
 
     /** Python's message (zl_mobile.links.replay_unavailable_message), word for word: the host shows it. */
     fun replayUnavailableMessage(from: Long, to: Long, linkName: String, heldFrom: Long): String =
@@ -26,6 +28,33 @@ object LinkRules {
             "(it holds $heldFrom onward); the downstream asked below what it had reported committed, " +
             "so its checkpoint or the upstream's replay files were lost: restore that stage's work dir " +
             "or start a new run"
+
+    /** Python's message (zl_mobile.links.commit_beyond_sent_message), word for word. */
+    fun commitBeyondSentMessage(window: Long, end: Long, usableBelow: Long, linkName: String): String =
+        "CHECKPOINT_COMMITTED window $window covers micro-batches up to ${end - 1}, but $linkName has sent " +
+            "only those below $usableBelow on this link: a downstream cannot commit what it never received; " +
+            "nothing was pruned (fix the downstream's commit bookkeeping)"
+
+    /** Python's message (zl_mobile.links.hidden_state_without_credit_message), word for word. */
+    fun noCreditMessage(mb: Long, linkName: String): String =
+        "HIDDEN_STATE for micro-batch $mb on $linkName with no credit left: an upstream sends one frame per " +
+            "credit granted (PROTOCOL.md 5.4.1); it was not kept"
+
+    /** The largest frame a stage link needs (PROTOCOL.md 2.1), as zl_mobile.links.link_frame_limit:
+     *  [dataElements] elements of at most 8 bytes, twice over for what travels with them, a full
+     *  metadata part and the records' headers. */
+    fun linkFrameLimit(dataElements: Long): Long =
+        minOf(256L shl 20, 2 * 8 * dataElements + (1L shl 20) + (64L shl 10))
+
+    /** Why a stage whose next micro-batch is [next] can never use micro-batch [mb] labelled
+     *  [window] (null: it can), as zl_mobile's Stage._unusable. */
+    fun unusable(mb: Long, window: Long, next: Long, inflightDepth: Int, windowSize: Int, total: Long?): String? = when {
+        mb < next -> "this stage is past it (it needs $next next)"
+        mb >= next + 2L * inflightDepth -> "beyond what the $inflightDepth credits allow from micro-batch $next, the next this stage needs"
+        total != null && mb >= total -> "the run has $total micro-batches"
+        window != mb / windowSize -> "labelled window $window, but window size $windowSize puts it in window ${mb / windowSize}"
+        else -> null
+    }
 
     /** The CREDIT a downstream grants right after REPLAY_REQUEST: inflight_depth - queued, or none if <= 0. */
     fun initialCredit(inflightDepth: Int, queued: Int): Long? = (inflightDepth - queued).toLong().takeIf { it > 0 }
@@ -71,6 +100,10 @@ class OutboundLinkState<T>(
     /** The downstream's last CHECKPOINT_COMMITTED window (-1: none yet). */
     var downstreamCommitted: Long = -1
         private set
+    /** What the downstream can have used on this connection: below its REPLAY_REQUEST's start, or
+     *  sent on it (null: nothing yet). A CHECKPOINT_COMMITTED past it is a lie. */
+    var usableBelow: Long? = null
+        private set
 
     fun buffered(): List<Long> = buffer.keys.toList()
     operator fun contains(mb: Long): Boolean = buffer.containsKey(mb)
@@ -83,7 +116,7 @@ class OutboundLinkState<T>(
     /** The buffer holds its bound: the producer must wait for a commit before its next forward. */
     fun full(): Boolean = buffer.size >= replayHorizon
 
-    fun connected() { next = null; credits = 0 }
+    fun connected() { next = null; credits = 0; usableBelow = null }
     fun disconnected() { next = null }
 
     /** REPLAY_REQUEST from the downstream. Returns the replay-unavailable error text, or null. */
@@ -96,6 +129,7 @@ class OutboundLinkState<T>(
             start = prunedBelow
         }
         next = start
+        usableBelow = maxOf(usableBelow ?: 0, start)
         return error
     }
 
@@ -104,12 +138,17 @@ class OutboundLinkState<T>(
         credits += n
     }
 
-    fun onCommitted(window: Long) {
-        downstreamCommitted = maxOf(downstreamCommitted, window)
-        if (!pruneOnCommit) return
+    /** CHECKPOINT_COMMITTED: prunes, or returns the error text (nothing pruned) when the window
+     *  ends past what the downstream can have received on this connection ([usableBelow]). With
+     *  [checkSent] false (the host's feed, which holds nothing) it is never refused. */
+    fun onCommitted(window: Long, checkSent: Boolean = pruneOnCommit): String? {
         val end = (window + 1) * windowSize
+        if (checkSent && end > (usableBelow ?: 0)) return LinkRules.commitBeyondSentMessage(window, end, usableBelow ?: 0, name)
+        downstreamCommitted = maxOf(downstreamCommitted, window)
+        if (!pruneOnCommit) return null
         buffer.headMap(end, false).clear()
         prunedBelow = maxOf(prunedBelow, end)
+        return null
     }
 
     fun sendable(): Boolean { val n = next; return n != null && credits > 0 && buffer.containsKey(n) }
@@ -120,6 +159,7 @@ class OutboundLinkState<T>(
         val mb = next!!
         credits -= 1
         next = mb + 1
+        usableBelow = maxOf(usableBelow ?: 0, mb + 1)
         return mb to buffer.getValue(mb)
     }
 }

@@ -76,6 +76,13 @@ data class Telemetry(
         rssPeakBytes?.let { m["rss_peak_bytes"] = it }
         tempC?.let { m["temperature_c"] = it }
         timeMs?.let { m["time_ms"] = it }
+        // a NaN or infinite reading (a diverging run's loss) has no JSON form: left out and named
+        // in `nonfinite` (PROTOCOL.md 5.5), so the record still goes and the host sees the divergence
+        val bad = m.entries.filter { (_, v) -> (v is Double && !v.isFinite()) || (v is Float && !v.isFinite()) }.map { it.key }.sorted()
+        if (bad.isNotEmpty()) {
+            bad.forEach { m.remove(it) }
+            m["nonfinite"] = bad
+        }
         return m
     }
 

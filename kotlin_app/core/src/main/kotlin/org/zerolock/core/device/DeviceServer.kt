@@ -62,11 +62,17 @@ class DeviceServer(
     @Volatile var stage: StageRuntime? = null
         private set
     private var bindAddress: InetAddress? = null
-    private val files = FileReceiver(filesDir)
+    /** PROTOCOL.md 5.2: an open transfer with no chunk for this long is dropped (set before [start]). */
+    var transferTimeoutMs: Long = FileReceiver.STALE_AFTER_MS
+    private val files by lazy { FileReceiver(filesDir, staleAfterMs = transferTimeoutMs) }
     @Volatile private var closed = false
     /** PROTOCOL.md 6: the whole handshake within this long; at most [maxConnections] open at once. */
     var handshakeTimeoutMs: Int = Handshake.HANDSHAKE_TIMEOUT_MS
+    /** PROTOCOL.md 6: a frame begun on the session with no byte for this long is a stall (TIMEOUT). */
+    var ioTimeoutMs: Int = 10_000
     var maxConnections: Int = 64
+    /** Connections not yet authenticated, oldest first: at the cap the oldest gives way (PROTOCOL.md 6). */
+    private val unauthenticated = LinkedHashMap<Socket, Unit>()
     private val slots by lazy { java.util.concurrent.Semaphore(maxConnections) }
     private val watchdog = java.util.concurrent.Executors.newSingleThreadScheduledExecutor { r ->
         Thread(r, "zl-handshake-deadline").also { it.isDaemon = true }
@@ -96,9 +102,12 @@ class DeviceServer(
                 Thread.sleep(50) // out of descriptors (EMFILE): the connection stays queued; do not spin on it
                 continue
             }
-            if (!slots.tryAcquire()) { // too many open at once: close this one (PROTOCOL.md 6)
-                try { c.close() } catch (_: IOException) {}
-                continue
+            if (!slots.tryAcquire()) { // at the cap the oldest unauthenticated connection gives way (PROTOCOL.md 6)
+                val evicted = evictUnauthenticated()
+                if (!(evicted && slots.tryAcquire(2, java.util.concurrent.TimeUnit.SECONDS))) {
+                    try { c.close() } catch (_: IOException) {}
+                    continue
+                }
             }
             try {
                 Thread({ try { serve(c) } finally { slots.release() } }, "zl-conn-${c.port}").also { it.isDaemon = true; it.start() }
@@ -109,7 +118,24 @@ class DeviceServer(
         }
     }
 
+    /** Close the oldest connection that has not authenticated (its handshake fails, its slot frees). */
+    private fun evictUnauthenticated(): Boolean {
+        val victim = synchronized(unauthenticated) {
+            val it = unauthenticated.keys.iterator()
+            if (!it.hasNext()) return false
+            it.next().also { _ -> it.remove() }
+        }
+        try { victim.shutdownInput() } catch (_: IOException) {}
+        try { victim.close() } catch (_: IOException) {}
+        return true
+    }
+
     private fun serve(sock: Socket) {
+        synchronized(unauthenticated) { unauthenticated[sock] = Unit }
+        try { serveSocket(sock) } finally { synchronized(unauthenticated) { unauthenticated.remove(sock) } }
+    }
+
+    private fun serveSocket(sock: Socket) {
         sock.use { c ->
             c.tcpNoDelay = true
             c.keepAlive = true
@@ -130,6 +156,7 @@ class DeviceServer(
             try {
                 deviceHandshake(reader, writer, auth, info.hello())
                 if (!state.compareAndSet(0, 1)) { auth.releaseSession(); return } // too late: the deadline won
+                synchronized(unauthenticated) { unauthenticated.remove(c) }
             } catch (e: Exception) {
                 if (e is SocketTimeoutException && state.compareAndSet(0, 2)) {
                     try { writer.write(timeoutMsg) } catch (_: Exception) {}
@@ -141,8 +168,9 @@ class DeviceServer(
                 deadline.cancel(false)
             }
             log("host session from ${c.remoteSocketAddress}")
-            c.soTimeout = 0
-            reader.maxFrame = Frames.DEFAULT_MAX_FRAME
+            // between frames a host may stay quiet; a frame begun with no byte for ioTimeoutMs is a stall
+            c.soTimeout = ioTimeoutMs
+            reader.maxFrame = Frames.SESSION_MAX_FRAME // what a session can need (PROTOCOL.md 2.1)
             hostWriter = writer
             try {
                 session(reader, writer)
@@ -163,7 +191,8 @@ class DeviceServer(
 
     private fun session(reader: FrameReader, writer: FrameWriter) {
         while (true) {
-            val m = reader.read()
+            val m = try { reader.read() } catch (_: SocketTimeoutException) { files.sweep(); continue }
+            files.sweep() // counted from each transfer's last chunk, heartbeats or not
             when (m.type) {
                 MsgType.HEARTBEAT -> writer.write(Messages.heartbeat(m.long("seq"), System.nanoTime() / 1_000_000))
                 MsgType.STAGE_ASSIGN -> writer.write(assign(m))
@@ -171,7 +200,10 @@ class DeviceServer(
                 MsgType.STATE_PUT -> writer.write(Messages.ack(m.long("request_id"), false, "STATE_PUT is not supported by this device yet; the adapter starts from its checkpoint or from init"))
                 MsgType.FILE_BEGIN, MsgType.FILE_CHUNK, MsgType.FILE_END -> files.onMessage(m)?.let { writer.write(it) }
                 MsgType.SHUTDOWN -> { stopStage(); return }
-                MsgType.ERROR -> { log("host reported ${m.string("code")}: ${m.string("message")}"); return }
+                MsgType.ERROR -> { // about the session (no request_id): it ends (5.1); about one request: go on
+                    log("host reported ${m.string("code")}: ${m.string("message")}")
+                    if (m.meta["request_id"] == null) return
+                }
                 else -> throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} is not something a host sends to a device" +
                     if (m.type == MsgType.HIDDEN_STATE) "; hidden states go to the stage's data_port (PROTOCOL.md 5.4.1)" else "")
             }
@@ -196,14 +228,24 @@ class DeviceServer(
             log("stage ${a.stage} rewired: downstream ${a.downstream}")
             return assignAck(rid, cur)
         }
+        // a fixed listen_port is bound before the running stage stops: one that cannot be had is
+        // refused with nothing stopped or created (PROTOCOL.md 5.3.1); the running stage's own port
+        // is bound again by the new stage once the old one closed it
+        val port = a.listenPort ?: 0
+        val bound = if (port == 0 || cur?.dataPort == port) null else try { bindListener(bindAddress, port) } catch (e: IOException) {
+            return Messages.error(ErrorCode.REJECTED, "STAGE_ASSIGN listen_port: cannot listen on port $port (${e.message}); " +
+                "free the port or assign another", rid)
+        }
         stopStage()
         val runner = try { runners.create(a, filesDir) } catch (e: Exception) {
+            try { bound?.close() } catch (_: IOException) {}
             return Messages.error(ErrorCode.REJECTED, "cannot load the chunk program: ${e.message}", rid)
         }
         val rt = try {
-            StageRuntime(a, runner, checkpointDir, { hostWriter }, stats, listener, bindAddress, log)
+            StageRuntime(a, runner, checkpointDir, { hostWriter }, stats, listener, bindAddress, log, bound)
         } catch (e: Exception) {
             runner.close()
+            try { bound?.close() } catch (_: IOException) {}
             return Messages.error(ErrorCode.REJECTED, "cannot start stage ${a.stage}: ${e.message}", rid)
         }
         stage = rt

@@ -21,21 +21,40 @@ import java.security.MessageDigest
  *
  * A transfer the host abandons is closed and its part file removed: at [abortAll] (the session
  * ended), when a new FILE_BEGIN names the same file or reuses its id (the newest wins; the old
- * one's FILE_END gets ok=false saying why), as the zl_mobile device does. At most [maxOpen]
- * transfers are open at once.
+ * one's FILE_END gets ok=false saying why), or when it has seen no chunk for [staleAfterMs]
+ * (counted from its last chunk, heartbeats or not: [sweep] runs on every session message), as
+ * the zl_mobile device does. At most [maxOpen] transfers are open at once.
  */
 class FileReceiver(
     private val dir: File,
     private val incoming: File = File(dir.absoluteFile.parentFile, dir.name + ".incoming"),
     private val maxOpen: Int = 8,
+    private val staleAfterMs: Long = STALE_AFTER_MS,
+    private val clockNs: () -> Long = System::nanoTime,
     private val open: (File) -> FileOutputStream = ::FileOutputStream,
 ) {
-    constructor(dir: File, open: (File) -> FileOutputStream) : this(dir, File(dir.absoluteFile.parentFile, dir.name + ".incoming"), 8, open)
+    constructor(dir: File, open: (File) -> FileOutputStream) : this(dir, File(dir.absoluteFile.parentFile, dir.name + ".incoming"), 8, open = open)
 
     private class Transfer(val name: String, val size: Long, val sha256: String, val part: File, val out: FileOutputStream?) {
         val digest: MessageDigest = MessageDigest.getInstance("SHA-256")
         var received = 0L
         var failed: String? = null
+        var seenNs = 0L
+    }
+
+    companion object {
+        /** PROTOCOL.md 5.2: an open transfer with no chunk for this long is abandoned. */
+        const val STALE_AFTER_MS = 120_000L
+    }
+
+    /** Abandon the transfers that have seen no chunk for [staleAfterMs]. */
+    fun sweep() {
+        val now = clockNs()
+        for ((id, t) in transfers.entries.toList()) {
+            if (now - t.seenNs > staleAfterMs * 1_000_000) {
+                abandon(id, "${t.name}: no chunk for ${staleAfterMs / 1000.0} s, the transfer was dropped")
+            }
+        }
     }
 
     private val transfers = HashMap<Long, Transfer>()
@@ -56,11 +75,14 @@ class FileReceiver(
         return Message(MsgType.FILE_RESULT, m)
     }
 
-    fun onMessage(m: Message): Message? = when (m.type) {
-        MsgType.FILE_BEGIN -> begin(m)
-        MsgType.FILE_CHUNK -> chunk(m)
-        MsgType.FILE_END -> end(m)
-        else -> throw IllegalArgumentException("not a file transfer message: ${m.type}")
+    fun onMessage(m: Message): Message? {
+        sweep()
+        return when (m.type) {
+            MsgType.FILE_BEGIN -> begin(m)
+            MsgType.FILE_CHUNK -> chunk(m)
+            MsgType.FILE_END -> end(m)
+            else -> throw IllegalArgumentException("not a file transfer message: ${m.type}")
+        }
     }
 
     private fun abandon(id: Long, why: String) {
@@ -84,7 +106,7 @@ class FileReceiver(
         val part = File(incoming, "$id-${System.nanoTime().toString(36)}.part")
         var why: String? = null
         val out = try { open(part) } catch (e: IOException) { why = e.message; null }
-        val t = Transfer(name, m.long("size"), m.string("sha256"), part, out)
+        val t = Transfer(name, m.long("size"), m.string("sha256"), part, out).also { it.seenNs = clockNs() }
         if (out == null) t.failed = "$name: the device could not create it in $dir ($why); make room there (or check its permissions) and push it again"
         transfers[id] = t
         return null
@@ -101,6 +123,7 @@ class FileReceiver(
         val id = m.long("transfer_id")
         val t = transfers[id] ?: return if (gone.containsKey(id)) null // abandoned: its FILE_END says why
             else result(id, false, 0, null, "no FILE_BEGIN for transfer $id; start the transfer again")
+        t.seenNs = clockNs()
         if (t.failed != null) return null
         val data = m.tensor("data").data
         val off = m.long("offset")

@@ -39,6 +39,10 @@ class OutboundLink(
     private val onError: (String) -> Unit = {},
     private val onCommitted: (Map<String, Any?>) -> Unit = {},
     private val log: (String) -> Unit = {},
+    /** What the downstream may send (GRADIENT at most): [LinkRules.linkFrameLimit]. */
+    private val maxFrame: Long = Frames.DEFAULT_MAX_FRAME,
+    /** A frame begun with no byte for this long is a stall (TIMEOUT); quiet between frames is fine. */
+    private val stallMs: Int = LinkRules.STALL_MS,
 ) : AutoCloseable {
     private val lock = Object()
     private val state = OutboundLinkState<Message>(name, windowSize, replayHorizon, pruneOnCommit)
@@ -102,8 +106,8 @@ class OutboundLink(
                 reader = FrameReader(s.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
                 writer = FrameWriter(s.getOutputStream().buffered())
                 hostHandshake(reader, writer, token, name)
-                s.soTimeout = 0
-                reader.maxFrame = Frames.DEFAULT_MAX_FRAME
+                s.soTimeout = stallMs
+                reader.maxFrame = maxFrame
             } catch (e: Exception) { // I/O, handshake refused, bad address: the neighbour may be restarting
                 closeQuietly(s)
                 if (addr != failedAddress) { failedAddress = addr; log("$name: connecting to $addr failed (${e.message}); retrying") }
@@ -117,7 +121,7 @@ class OutboundLink(
                 state.connected()
                 s
             } ?: continue
-            val readerThread = Thread({ read(s, reader) }, "zl-out-read-$name").also { it.isDaemon = true; it.start() }
+            val readerThread = Thread({ read(s, reader, writer) }, "zl-out-read-$name").also { it.isDaemon = true; it.start() }
             try {
                 sendLoop(s, writer)
             } catch (e: IOException) {
@@ -147,17 +151,21 @@ class OutboundLink(
         }
     }
 
-    private fun read(s: Socket, r: FrameReader) {
+    private fun read(s: Socket, r: FrameReader, w: FrameWriter) {
         try {
             while (true) {
-                val m = r.read()
+                val m = try { r.read() } catch (_: java.net.SocketTimeoutException) { continue } // quiet between frames
                 var error: String? = null
                 var committed: Map<String, Any?>? = null
                 synchronized(lock) {
                     when (m.type) {
                         MsgType.CREDIT -> state.onCredit(m.long("credits"))
                         MsgType.REPLAY_REQUEST -> error = state.onReplayRequest(m.long("from_micro_batch"))
-                        MsgType.CHECKPOINT_COMMITTED -> { state.onCommitted(m.long("window")); committed = m.meta }
+                        MsgType.CHECKPOINT_COMMITTED -> {
+                            // a commit past what was sent on this link is a lie: ERROR, nothing pruned
+                            state.onCommitted(m.long("window"))?.let { throw ProtocolException(ErrorCode.UNEXPECTED, it) }
+                            committed = m.meta
+                        }
                         MsgType.ERROR -> log("$name: downstream error ${m.string("code")}: ${m.string("message")}")
                         else -> log("$name: ignored ${m.type} from downstream")
                     }
@@ -166,6 +174,9 @@ class OutboundLink(
                 error?.let(onError) // never silently skipped
                 committed?.let(onCommitted)
             }
+        } catch (e: ProtocolException) { // a bad frame (CREDIT 0, from > to), a stall or a lie: say so, then close
+            log("$name: downstream link error: ${e.message}")
+            try { w.write(e.toMessage()) } catch (_: Exception) {}
         } catch (_: Exception) {
         } finally {
             closeQuietly(s)
@@ -188,23 +199,32 @@ class InboundLink(
     port: Int = 0,
     bind: InetAddress? = null,
     private val log: (String) -> Unit = {},
+    /** A listening socket bound already (the device binds a fixed listen_port before it stops the running stage). */
+    listener: ServerSocket? = null,
+    /** The largest frame the upstream may send: [LinkRules.linkFrameLimit] of the chunk. */
+    private val maxFrame: Long = Frames.DEFAULT_MAX_FRAME,
+    /** A frame begun with no byte for this long is a stall (TIMEOUT, PROTOCOL.md 6). */
+    private val stallMs: Int = LinkRules.STALL_MS,
+    /** Why the stage can never use this HIDDEN_STATE (null: it can); checked before it is kept. */
+    private val unusable: (Message) -> String? = { null },
 ) : AutoCloseable {
     private val auth = DeviceAuth(token, name)
-    private val server = ServerSocket().also { it.reuseAddress = true; it.bind(InetSocketAddress(bind, port)) }
+    private val server = listener ?: bindListener(bind, port)
+    private val creditLock = Object()
+    /** HIDDEN_STATE frames the current upstream may still send (5.4.1: the downstream enforces its credits). */
+    private var credits = 0L
     val port: Int = server.localPort
     @Volatile private var writer: FrameWriter? = null
     @Volatile private var current: Socket? = null
     @Volatile var bytesReceived: Long = 0
         private set
 
-    init {
-        Thread({
-            while (!server.isClosed) {
-                val c = try { server.accept() } catch (_: IOException) { break }
-                Thread({ serve(c) }, "zl-in-$name").also { it.isDaemon = true; it.start() }
-            }
-        }, "zl-in-accept-$name").also { it.isDaemon = true; it.start() }
-    }
+    private val acceptThread = Thread({
+        while (!server.isClosed) {
+            val c = try { server.accept() } catch (_: IOException) { break }
+            Thread({ serve(c) }, "zl-in-$name").also { it.isDaemon = true; it.start() }
+        }
+    }, "zl-in-accept-$name").also { it.isDaemon = true; it.start() }
 
     private fun serve(sock: Socket) = sock.use { c ->
         c.tcpNoDelay = true
@@ -217,18 +237,26 @@ class InboundLink(
             log("$name: refused an upstream link: ${e.message}")
             return@use
         }
-        c.soTimeout = 0
-        r.maxFrame = Frames.DEFAULT_MAX_FRAME
-        writer = w
-        current = c
+        c.soTimeout = stallMs
+        r.maxFrame = maxFrame
+        synchronized(creditLock) { credits = 0; writer = w; current = c }
         try {
             w.write(Message(MsgType.REPLAY_REQUEST, linkedMapOf("from_micro_batch" to nextNeeded(), "to_micro_batch" to LinkRules.NO_END)))
-            LinkRules.initialCredit(inflightDepth, queue.size)?.let { w.write(Messages.credit(it)) }
+            LinkRules.initialCredit(inflightDepth, queue.size)?.let {
+                synchronized(creditLock) { credits += it }
+                w.write(Messages.credit(it))
+            }
             while (true) {
-                val m = r.read()
+                val m = try { r.read() } catch (_: java.net.SocketTimeoutException) { continue } // an upstream without credits is quiet
                 if (m.type != MsgType.HIDDEN_STATE) {
                     throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} on a hidden-state link; only HIDDEN_STATE is sent downstream")
                 }
+                val mb = m.long("micro_batch")
+                synchronized(creditLock) { // checked before it is kept: a frame past the credits is never queued
+                    if (credits <= 0) throw ProtocolException(ErrorCode.UNEXPECTED, LinkRules.noCreditMessage(mb, name))
+                    credits -= 1
+                }
+                unusable(m)?.let { throw ProtocolException(ErrorCode.UNEXPECTED, "HIDDEN_STATE for micro-batch $mb on $name: $it; it was not kept") }
                 bytesReceived += m.tensors.values.sumOf { it.data.size.toLong() }
                 queue.put(m.long("micro_batch"), m)
             }
@@ -243,7 +271,10 @@ class InboundLink(
     }
 
     /** Return [n] credits upstream as queue entries are consumed. */
-    fun grant(n: Long = 1, microBatch: Long? = null) = trySend(Messages.credit(n, microBatch))
+    fun grant(n: Long = 1, microBatch: Long? = null) {
+        synchronized(creditLock) { if (writer == null) return; credits += n } // counted before it is sent
+        trySend(Messages.credit(n, microBatch))
+    }
 
     /** Tell the upstream that windows <= [window] are durably used: it may prune them. */
     fun committed(window: Long, step: Long, sha256: String) =
@@ -257,7 +288,24 @@ class InboundLink(
     override fun close() {
         try { server.close() } catch (_: IOException) {}
         closeQuietly(current)
+        // the JDK releases a listening socket closed under a blocked accept() only when that
+        // thread leaves accept(): wait for it, so the next stage can bind the same listen_port
+        if (Thread.currentThread() !== acceptThread) acceptThread.join(2000)
     }
 }
 
 internal fun closeQuietly(s: Socket?) { try { s?.close() } catch (_: IOException) {} }
+
+/** A stage's data port. SO_REUSEADDR: a fixed port (USB phones) is bound again right after the
+ *  stage that held it closed, its old connections in TIME_WAIT. */
+fun bindListener(bind: InetAddress?, port: Int): ServerSocket {
+    val s = ServerSocket()
+    try {
+        s.reuseAddress = true
+        s.bind(InetSocketAddress(bind, port))
+    } catch (e: IOException) {
+        try { s.close() } catch (_: IOException) {}
+        throw e
+    }
+    return s
+}

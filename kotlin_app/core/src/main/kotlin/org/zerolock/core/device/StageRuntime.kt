@@ -105,6 +105,8 @@ class StageRuntime(
     private val listener: StageListener = StageListener {},
     bind: InetAddress? = null,
     private val log: (String) -> Unit = {},
+    /** The data port bound already by the device (a fixed listen_port, checked before the old stage stopped). */
+    dataListener: java.net.ServerSocket? = null,
 ) {
     val windows = UpdateWindows(assignment.windowSize)
     private val checkpointFile = File(checkpointDir, "stage${assignment.stage}-${assignment.runId}.ckpt")
@@ -118,7 +120,11 @@ class StageRuntime(
     val queue = InboundQueue<Message>()
     val inbound = InboundLink(
         "stage${assignment.stage}-in", assignment.upstreamToken!!, queue, assignment.inflightDepth,
-        nextNeeded = { queue.nextAfter(nextMicroBatch) }, port = assignment.listenPort ?: 0, bind = bind, log = log)
+        nextNeeded = { queue.nextAfter(nextMicroBatch) }, port = assignment.listenPort ?: 0, bind = bind, log = log,
+        listener = dataListener, unusable = { m ->
+            org.zerolock.core.LinkRules.unusable(m.long("micro_batch"), m.long("window"), nextMicroBatch,
+                assignment.inflightDepth, assignment.windowSize, assignment.totalMicroBatches)
+        })
     val outbound: OutboundLink? = assignment.downstreamToken?.let { token ->
         OutboundLink("stage${assignment.stage}-out", token, assignment.windowSize, assignment.replayHorizon,
             onError = { reportError(it) }, log = log).also { it.setAddress(assignment.downstream) }
@@ -182,8 +188,8 @@ class StageRuntime(
     }
 
     private fun forward(mb: Long, m: Message) {
+        nextMicroBatch = mb + 1 // before the credit goes out: the frame it allows is then in range
         inbound.grant(1, mb)
-        nextMicroBatch = mb + 1
         val w = m.long("window")
         if (w != windows.windowOf(mb)) {
             throw StageError("bad_window", "micro-batch $mb labelled window $w, expected ${windows.windowOf(mb)} for window size ${windows.size}")

@@ -12,6 +12,8 @@ object Frames {
     const val TRAILER_SIZE = 4
     const val DEFAULT_MAX_FRAME = 256L * 1024 * 1024
     const val PREAUTH_MAX_FRAME = 64L * 1024
+    /** The host session's frames after the handshake: 1 MiB FILE_CHUNKs and metadata fit many times (2.1). */
+    const val SESSION_MAX_FRAME = 64L * 1024 * 1024
     const val MAX_META_BYTES = 1024 * 1024
     const val MAX_TENSORS = 65535
     const val MAX_NAME_BYTES = 1024
@@ -170,28 +172,49 @@ object Frames {
 
 /** Reads frames from a stream (one connection); [maxFrame] can be raised after the handshake. */
 class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PREAUTH_MAX_FRAME) {
-    private fun readFully(buf: ByteArray, off: Int, len: Int): Int {
+    /** Reads into [buf] from [off] until [len] bytes or the end of the stream. A socket timeout
+     *  (soTimeout) before the frame's first byte propagates as is (a quiet peer between frames);
+     *  after it, the frame stalled: TIMEOUT, the stream is unusable (PROTOCOL.md 6). */
+    private fun readFully(buf: ByteArray, off: Int, len: Int, frameStarted: Boolean, what: String): Int {
         var got = 0
         while (got < len) {
-            val r = input.read(buf, off + got, len - got)
+            val r = try {
+                input.read(buf, off + got, len - got)
+            } catch (e: java.net.SocketTimeoutException) {
+                if (!frameStarted && got == 0) throw e
+                throw ProtocolException(ErrorCode.TIMEOUT, "peer stalled mid-frame ($what); the connection is unusable, reconnect")
+            }
             if (r < 0) break
             got += r
         }
         return got
     }
 
-    /** Next message; [ConnectionClosedException] on a clean end of stream between frames. */
+    /** Next message; [ConnectionClosedException] on a clean end of stream between frames. The
+     *  body's buffer grows as its bytes arrive (doubling from 64 KiB): a header that declares a
+     *  large body and then sends nothing costs 64 KiB, not the declared size (PROTOCOL.md 2.1). */
     fun read(): Message {
         val h = ByteArray(Frames.HEADER_SIZE)
-        val got = readFully(h, 0, h.size)
+        val got = readFully(h, 0, h.size, false, "header")
         if (got == 0) throw ConnectionClosedException()
         if (got < h.size) throw ProtocolException(ErrorCode.TRUNCATED, "stream ended inside a frame header ($got of 16 bytes)")
         val header = Frames.parseHeader(h, maxFrame)
-        val rest = ByteArray((header.bodyLen + Frames.TRAILER_SIZE).toInt())
-        val n = readFully(rest, 0, rest.size)
-        if (n < rest.size) throw ProtocolException(ErrorCode.TRUNCATED, "stream ended inside a frame body ($n of ${rest.size} bytes)")
+        val need = (header.bodyLen + Frames.TRAILER_SIZE).toInt()
+        var rest = ByteArray(minOf(need, FIRST_BODY_BUF))
+        var have = 0
+        while (true) {
+            val n = readFully(rest, have, rest.size - have, true, "${header.type} body, $have of $need bytes")
+            have += n
+            if (have < rest.size) throw ProtocolException(ErrorCode.TRUNCATED, "stream ended inside a frame body ($have of $need bytes)")
+            if (have == need) break
+            rest = rest.copyOf(minOf(need.toLong(), 2L * rest.size).toInt())
+        }
         val body = rest.copyOfRange(0, header.bodyLen.toInt())
         return Frames.decodeBodyChecked(header, body, Frames.u32(rest, header.bodyLen.toInt()))
+    }
+
+    companion object {
+        const val FIRST_BODY_BUF = 64 * 1024
     }
 }
 

@@ -65,7 +65,7 @@ object Schema {
         MsgType.HELLO to Spec(
             mapOf("name" to T.STR, "protocol_version" to T.UINT, "runtime_version" to T.STR, "memory_bytes" to T.UINT, "capabilities" to T.LIST_STR),
             mapOf("model" to T.STR, "os" to T.STR, "abi" to T.STR, "cores" to T.UINT, "memory_budget_bytes" to T.UINT, "cpu_share" to T.NUMBER), Tensors.NONE),
-        MsgType.HEARTBEAT to Spec(mapOf("seq" to T.UINT), mapOf("time_ms" to T.UINT), Tensors.NONE),
+        MsgType.HEARTBEAT to Spec(mapOf("seq" to T.UINT), mapOf("time_ms" to T.UINT, "busy_ms" to T.UINT), Tensors.NONE),
         MsgType.ACK to Spec(mapOf("request_id" to T.UINT, "ok" to T.BOOL), mapOf("message" to T.STR), Tensors.NONE),
         MsgType.ERROR to Spec(mapOf("code" to T.STR, "message" to T.STR), mapOf("request_id" to T.UINT), Tensors.NONE),
         MsgType.SHUTDOWN to Spec(emptyMap(), mapOf("reason" to T.STR), Tensors.NONE),
@@ -97,8 +97,11 @@ object Schema {
         },
         MsgType.TELEMETRY to Spec(
             emptyMap(),
-            mapOf("stage" to T.UINT, "step" to T.UINT, "window" to T.UINT, "micro_batch" to T.UINT, "loss" to T.NUMBER,
-                "pss_bytes" to T.UINT, "temperature_c" to T.NUMBER, "active_s" to T.NUMBER, "wait_s" to T.NUMBER, "time_ms" to T.UINT),
+            mapOf("kind" to T.STR, "stage" to T.UINT, "step" to T.UINT, "window" to T.UINT, "micro_batch" to T.UINT, "loss" to T.NUMBER,
+                "task_loss" to T.NUMBER, "consis_loss" to T.NUMBER, "pss_bytes" to T.UINT, "rss_peak_bytes" to T.UINT,
+                "temperature_c" to T.NUMBER, "active_s" to T.NUMBER, "wait_s" to T.NUMBER, "wait_downstream_s" to T.NUMBER,
+                "replay_held" to T.UINT, "replay_held_peak" to T.UINT, "bytes_in" to T.UINT, "bytes_out" to T.UINT,
+                "cpu_s" to T.NUMBER, "time_ms" to T.UINT, "nonfinite" to T.LIST_STR),
             Tensors.NONE),
         MsgType.CHECKPOINT_COMMITTED to Spec(mapOf("window" to T.UINT, "step" to T.UINT, "sha256" to T.HEX64), emptyMap(), Tensors.NONE),
         MsgType.STATE_GET to Spec(mapOf("request_id" to T.UINT, "kind" to T.STR), emptyMap(), Tensors.NONE) { m -> checkStateKind(m) },
