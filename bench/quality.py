@@ -133,14 +133,19 @@ def batches(enc, order, B, S, pad):
 
 # ---------------------------------------------------------------- methods
 
-def peft_model(base, seed):
+# LoRA targets: the shipped q/v, or every linear layer of the blocks (issue 32's candidate), same for all methods
+LORA_TARGETS = {"qv": ["q_proj", "v_proj"],
+                "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+def peft_model(base, seed, targets="qv"):
     from peft import LoraConfig, get_peft_model
 
     for p in base.parameters():
         p.requires_grad_(False)
     torch.manual_seed(seed)
     return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                           target_modules=["q_proj", "v_proj"]))
+                                           target_modules=LORA_TARGETS[targets]))
 
 
 def causal_lm(pm_or_base):
@@ -364,7 +369,8 @@ def evaluate(pm_or_base, mbs, label_ids, readout=None) -> dict:
             s["nll"] += float(-logp_all.gather(1, y_all[:, None]).sum())
             s["tokens"] += int(valid.sum())
             s["label_ok"] += int((logp_lab.argmax(-1) == y_lab).sum())
-            s["choice_ok"] += int((cand[logp_lab[:, cand].argmax(-1)] == y_lab).sum())
+            if len(cand):  # a generative task has no label set to choose among
+                s["choice_ok"] += int((cand[logp_lab[:, cand].argmax(-1)] == y_lab).sum())
             s["rows"] += int(first.sum())
             s["delta"] += float(delta_k(logp_lab, prev_lab, y_lab).sum())
             prev_lab = logp_lab
@@ -380,12 +386,15 @@ def final(ev: dict) -> dict:
 # ---------------------------------------------------------------- one run
 
 def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve_mbs=None, lenses=None,
-                   log=print) -> dict:
+                   log=print, extra_eval=None) -> dict:
+    """One method's run; ``extra_eval(pm)`` (e.g. a generative task's exact match) is scored on the
+    trained model before its LoRA layers are unloaded, and lands in the result's "extra"."""
     pad = a.pad_id
-    pm = peft_model(base, seed)
+    pm = peft_model(base, seed, getattr(a, "targets", "qv"))
     try:
         rng = np.random.default_rng(seed)
-        order = rng.permutation(len(data["train"])).tolist()
+        # one fresh permutation per epoch; epoch 1's is the single-pass order of earlier runs
+        order = [i for _ in range(getattr(a, "epochs", 1)) for i in rng.permutation(len(data["train"])).tolist()]
         train_mbs = batches(data["train"], order, a.micro_batch, a.seq_len, pad)
         eval_mbs = batches(data[eval_split], range(len(data[eval_split])), a.micro_batch, a.seq_len, pad)
         curve = []
@@ -410,9 +419,11 @@ def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve
         else:
             first_losses, readout = None, None
         ev = evaluate(pm, eval_mbs, label_ids, readout)
+        extra = extra_eval(pm) if extra_eval is not None else None
         return {"method": method, "lr": lr, "seed": seed, "split": eval_split, "eval": ev, "curve": curve,
+                **({"extra": extra} if extra is not None else {}),
                 "first_step_losses": first_losses, "train_seconds": time.time() - t0,
-                "samples": len(data["train"]) if method != "zero-shot" else 0}
+                "samples": len(order) if method != "zero-shot" else 0}
     finally:
         pm.unload()  # the base model comes back without LoRA layers for the next run
 

@@ -19,6 +19,7 @@ from collections import Counter
 from .examples import DataError, LoadedExamples, rejection_reasons
 from .synthetic import LABELS, format_completion, format_prompt, synthetic_examples
 from .wordnet import load_wordnet  # WordNet noun glosses by category (zl_common/data/wordnet.py)
+from .wordnet_reverse import load_wordnet_reverse
 
 # Size of the built-in set used when no data file is given.
 DEFAULT_SYNTHETIC_N = 2000
@@ -216,9 +217,11 @@ def load_examples(path: str | None) -> LoadedExamples:
     path = os.fspath(path)
     if not os.path.exists(path) and (path == "wordnet" or path.startswith("wordnet:")):
         return load_wordnet(path)
+    if not os.path.exists(path) and (path == "wordnet-reverse" or path.startswith("wordnet-reverse:")):
+        return load_wordnet_reverse(path)  # gloss -> word, a generative task (zl_common/data/wordnet_reverse.py)
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path}; pass an existing .csv (AG News) or "
-                        f".jsonl/.json file, wordnet[:validation|test], or no data file for the built-in synthetic set")
+                        f".jsonl/.json file, wordnet[:validation|test], wordnet-reverse[:validation|test], or no data file for the built-in synthetic set")
     if os.path.isdir(path):
         raise DataError(f"data path is a directory, not a file: {path}; pass the .csv or "
                         f".jsonl file inside it")

@@ -1,0 +1,355 @@
+"""Issue 32's quality study, resumable: ZeroLock against LoRA backprop on SmolLM2-135M, at several
+training budgets, on a classification and a generative task, each method at its own swept LR.
+
+Every (task, method, LR, seed, budget, epochs, LoRA targets, split) result is one JSON file under
+--cells (default bench/results/quality_cells/); a rerun skips the cells that exist, so a killed run
+resumes where it stopped. The methods, model, LoRA, optimizer, window rule and evaluation are
+bench/quality.py's (train_and_eval), the same for every method.
+
+The plan, in order (each step runs what is missing):
+  1. per task: zero-shot on test; LR sweep at --sweep-budget, seed 0, on the validation split
+     (choice: lowest validation answer NLL)
+  2. per task: --seeds at the chosen LR, test split, at --sweep-budget (with an accuracy curve)
+  3. per task: the other --budgets at the same LR, all seeds
+Tasks run one after the other in the order of --tasks (steps 1-2 of every task before step 3).
+
+  nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # resumable; start one
+  nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # worker per core: cells are locked
+  python bench/quality_study.py report      # bench/results/quality_study.json, the plot, the markdown
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench import quality as Q  # noqa: E402
+from bench.quality_tasks import TASKS, exact_match, load_task  # noqa: E402
+
+CELLS = ROOT / "bench" / "results" / "quality_cells"
+OUT = ROOT / "bench" / "results" / "quality_study.json"
+PLOT = ROOT / "bench" / "results" / "quality_study.png"
+METRIC = {"wordnet": "choice_accuracy", "wordnet-reverse": "exact_match"}
+
+
+def cell_name(task, method, lr, seed, budget, epochs, targets, split) -> str:
+    return f"{task}/{method}_{targets}_n{budget}_e{epochs}_lr{lr:g}_s{seed}_{split}.json"
+
+
+def metric(r, task) -> float:
+    return r["extra"]["exact_match"] if task == "wordnet-reverse" else Q.final(r["eval"])["choice_accuracy"]
+
+
+class Study:
+    def __init__(self, a):
+        self.a, self.cells = a, Path(a.cells)
+        self.base = self.tok = None
+        self.data, self.lenses = {}, {}
+        self.log_file = open(a.log, "a") if a.log else sys.stdout
+
+    def log(self, msg):
+        print(f"{time.strftime('%H:%M:%S')} {msg}", file=self.log_file, flush=True)
+
+    def cached(self, name):
+        f = self.cells / name
+        return json.loads(f.read_text()) if f.exists() else None
+
+    def model(self):
+        if self.base is None:
+            import torch
+
+            torch.set_num_threads(self.a.threads)
+            self.base, self.tok = Q.load_base(Path(self.a.cache))
+        return self.base, self.tok
+
+    def task_data(self, task):
+        if task not in self.data:
+            base, tok = self.model()
+            budget = max(self.a.budgets)
+            self.data[task] = load_task(task, tok, budget, self.a.val, self.a.test, self.a.seq_len, self.a.data_seed)
+        return self.data[task]
+
+    def settings(self, epochs, targets):
+        base, tok = self.model()
+        pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        return SimpleNamespace(micro_batch=self.a.micro_batch, seq_len=self.a.seq_len, window=self.a.window,
+                               curve_every=self.a.curve_every, pad_id=pad, epochs=epochs, targets=targets)
+
+    def task_lenses(self, task, budget):
+        """The frozen lens zl-export would fit, on this budget's training text; fitted once, kept on disk."""
+        import torch
+
+        key = (task, budget)
+        if key not in self.lenses:
+            f = Path(self.a.cache) / "lenses" / f"{task}_n{budget}_seq{self.a.seq_len}_d{self.a.data_seed}.pt"
+            if f.exists():
+                self.lenses[key] = torch.load(f)
+            else:
+                (data, _), s = self.task_data(task), self.settings(1, "qv")
+                mbs = Q.batches(data["train"][:budget], range(budget), s.micro_batch, s.seq_len, s.pad_id)
+                self.lenses[key] = Q.fit_lenses(self.base, mbs, log=self.log)
+                f.parent.mkdir(parents=True, exist_ok=True)
+                torch.save(self.lenses[key], f)
+        return self.lenses[key]
+
+    def claim(self, name) -> bool:
+        """Whether this worker may run the cell: a lock file holding our pid (one of a dead worker is taken over)."""
+        lock = (self.cells / name).with_suffix(".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        for _ in range(2):
+            try:
+                fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+                os.write(fd, str(os.getpid()).encode())
+                os.close(fd)
+                return True
+            except FileExistsError:
+                try:
+                    os.kill(int(lock.read_text() or 0), 0)
+                    return False  # another live worker runs it
+                except (ProcessLookupError, ValueError, FileNotFoundError):
+                    lock.unlink(missing_ok=True)  # its worker died: take the cell over
+        return False
+
+    def run_cell(self, task, method, lr, seed, budget, split, epochs=None, targets=None, wait=True):
+        """The cell's result: from disk, or run here; another worker's running cell is waited for
+        (wait=False: None, so the caller moves on to a cell it can run)."""
+        epochs = epochs or self.a.epochs
+        targets = targets or self.a.targets
+        name = cell_name(task, method, lr, seed, budget, epochs, targets, split)
+        while True:
+            r = self.cached(name)
+            if r is not None:
+                return r
+            if self.claim(name):
+                break
+            if not wait:
+                return None
+            time.sleep(20)
+        try:
+            return self._run_cell(name, task, method, lr, seed, budget, split, epochs, targets)
+        finally:
+            (self.cells / name).with_suffix(".lock").unlink(missing_ok=True)
+
+    def _run_cell(self, name, task, method, lr, seed, budget, split, epochs, targets):
+        (data, label_ids), s = self.task_data(task), self.settings(epochs, targets)
+        d = dict(data, train=data["train"][:budget], train_rows=data["train_rows"][:budget])
+        d[split] = data[split]
+        lenses = self.task_lenses(task, budget) if method.endswith("-lens") else None
+        curve_mbs = None
+        if split == "test" and self.a.curve_every:
+            curve_mbs = Q.batches(data["validation"], range(min(self.a.curve_val, len(data["validation"]))),
+                                  s.micro_batch, s.seq_len, s.pad_id)
+        rows = data[f"{split}_rows"]
+        extra = None
+        if task == "wordnet-reverse":
+            def extra(pm):
+                return exact_match(Q.causal_lm(pm), self.tok, rows, s.seq_len)
+        n_mb = [0]
+
+        def log(msg):  # every 32nd micro-batch: enough to see progress and speed
+            n_mb[0] += 1
+            if n_mb[0] % 32 == 0:
+                self.log(msg.strip())
+
+        self.log(f"start {name}")
+        t0 = time.time()
+        r = Q.train_and_eval(self.base, d, method, lr, seed, s, label_ids, split, curve_mbs=curve_mbs,
+                             lenses=lenses, log=log, extra_eval=extra)
+        r.update(task=task, budget=budget, epochs=epochs, targets=targets, wall_seconds=time.time() - t0,
+                 load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
+        f = self.cells / name
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_suffix(".tmp")
+        tmp.write_text(json.dumps(r, indent=1))
+        tmp.rename(f)  # a cell on disk is a finished cell
+        self.log(f"done {name}: {METRIC[task]} {metric(r, task):.3f}, answer NLL "
+                 f"{Q.final(r['eval'])['answer_nll']:.3f} ({r['wall_seconds']:.0f} s, load {r['load_average']})")
+        return r
+
+    def chosen_lr(self, task, method, run=True):
+        """The sweep's choice (lowest validation answer NLL) at --sweep-budget, seed 0; None if unfinished."""
+        scores = {}
+        if run:  # first every cell no other worker holds, then wait for theirs
+            for lr in self.a.lrs:
+                self.run_cell(task, method, lr, 0, self.a.sweep_budget, "validation", wait=False)
+        for lr in self.a.lrs:
+            r = (self.run_cell(task, method, lr, 0, self.a.sweep_budget, "validation") if run else
+                 self.cached(cell_name(task, method, lr, 0, self.a.sweep_budget, self.a.epochs, self.a.targets,
+                                       "validation")))
+            if r is None:
+                return None
+            scores[lr] = Q.final(r["eval"])["answer_nll"]
+        return min(scores, key=scores.get)
+
+    def run(self):
+        a = self.a
+        for task in a.tasks:
+            self.run_cell(task, "zero-shot", 0.0, 0, 0, "test", epochs=1)
+            # the sweeps of all methods first, LR by LR, so that two workers (or a run cut short)
+            # cover every method's most likely rates early; --lrs in the order to run them
+            for lr in a.lrs:
+                for m in a.methods:
+                    self.run_cell(task, m, lr, 0, a.sweep_budget, "validation", wait=False)
+            for m in a.methods:
+                lr = self.chosen_lr(task, m)
+                self.log(f"{task} {m}: chosen LR {lr:g}")
+                for seed in a.seeds:
+                    self.run_cell(task, m, lr, seed, a.sweep_budget, "test", wait=False)
+        for task in a.tasks:
+            for budget in [b for b in a.budgets if b != a.sweep_budget]:
+                for seed in a.seeds:
+                    for m in a.methods:
+                        self.run_cell(task, m, self.chosen_lr(task, m), seed, budget, "test", wait=False)
+        self.log("plan finished")
+
+
+# ---------------------------------------------------------------- report
+
+def load_cells(cells: Path) -> list[dict]:
+    return [json.loads(f.read_text()) for f in sorted(cells.glob("*/*.json"))]
+
+
+def summarise(runs) -> dict:
+    """{task: {"sweep": {method: {lr: (val NLL, val metric)}}, "test": {(method, budget): stats}}}."""
+    out = {}
+    for r in runs:
+        t = out.setdefault(r["task"], {"sweep": {}, "test": {}})
+        key = f"{r['method']}|{r.get('targets', 'qv')}|e{r.get('epochs', 1)}"
+        if r["split"] == "validation":
+            t["sweep"].setdefault(key, {})[r["lr"]] = {"answer_nll": Q.final(r["eval"])["answer_nll"],
+                                                       "metric": metric(r, r["task"]), "budget": r["budget"]}
+        else:
+            t["test"].setdefault(f"{key}|n{r['budget']}", []).append(r)
+    for task, t in out.items():
+        for key, sw in t["sweep"].items():
+            lrs = sorted(sw)
+            best = min(lrs, key=lambda x: sw[x]["answer_nll"])
+            sw["chosen"] = best
+            sw["at_edge"] = len(lrs) > 1 and best in (lrs[0], lrs[-1])
+        stats = {}
+        for key, rs in t["test"].items():
+            v = np.array([metric(r, task) for r in rs])
+            nll = np.array([Q.final(r["eval"])["answer_nll"] for r in rs])
+            stats[key] = {"seeds": sorted(r["seed"] for r in rs), "lr": rs[0]["lr"], "budget": rs[0]["budget"],
+                          "mean": float(v.mean()), "std": float(v.std(ddof=1)) if len(v) > 1 else None,
+                          "nll": float(nll.mean()), "per_seed": {r["seed"]: metric(r, task) for r in rs},
+                          "seconds": float(np.mean([r["train_seconds"] for r in rs]))}
+        t["test"] = stats
+    return out
+
+
+def plot(summary, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4), squeeze=False)
+    for ax, (task, t) in zip(axes[0], sorted(summary.items())):
+        methods = sorted({k.rsplit("|", 1)[0] for k in t["test"] if not k.startswith("zero-shot")})
+        for i, m in enumerate(methods):
+            pts = sorted((s["budget"], s["mean"], s["std"] or 0) for k, s in t["test"].items() if k.rsplit("|", 1)[0] == m)
+            if pts:
+                x, y, e = zip(*pts)
+                ax.errorbar(x, y, yerr=e, marker="o", capsize=3, color=f"C{i}", label=m.replace("|", " "))
+        zs = [s for k, s in t["test"].items() if k.startswith("zero-shot")]
+        if zs:
+            ax.axhline(zs[0]["mean"], color="grey", ls="--", label="zero-shot")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("training samples")
+        ax.set_ylabel(f"test {METRIC[task].replace('_', ' ')}")
+        ax.set_title(f"SmolLM2-135M, {task}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def markdown(summary, settings) -> str:
+    lines = []
+    for task, t in sorted(summary.items()):
+        met = METRIC[task].replace("_", " ")
+        lines += [f"**{task}** ({met} on the test split; LR by validation answer NLL):", "",
+                  "| method (LoRA targets, epochs) | budget | LR | seeds | test " + met + " | answer NLL |",
+                  "|---|---|---|---|---|---|"]
+        for key, s in sorted(t["test"].items(), key=lambda kv: (kv[1]["budget"], kv[0])):
+            m, budget = key.rsplit("|", 1)
+            sd = f" ± {s['std']:.3f}" if s["std"] is not None else ""
+            lines.append(f"| {m.replace('|', ', ')} | {s['budget']} | {s['lr']:g} | {','.join(map(str, s['seeds']))} | "
+                         f"{s['mean']:.3f}{sd} | {s['nll']:.3f} |")
+        lines.append("")
+        for key, sw in sorted(t["sweep"].items()):
+            lrs = sorted(x for x in sw if not isinstance(x, str))
+            lines.append(f"- Sweep {key.replace('|', ', ')} (budget {sw[lrs[0]]['budget']}, seed 0, validation): "
+                         + ", ".join(f"{x:g}: NLL {sw[x]['answer_nll']:.3f} / {sw[x]['metric']:.3f}" for x in lrs)
+                         + f" -> {sw['chosen']:g}" + (" (AT THE EDGE of the sweep)" if sw["at_edge"] else " (inside the sweep)"))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def report(a):
+    runs = load_cells(Path(a.cells))
+    summary = summarise(runs)
+    if summary:
+        plot(summary, PLOT)
+    OUT.write_text(json.dumps({"settings": {k: v for k, v in vars(a).items() if k not in ("cmd",)},
+                               "summary": summary}, indent=1, default=str))
+    print(markdown(summary, a))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("cmd", choices=("run", "report"))
+    p.add_argument("--tasks", default=",".join(TASKS))
+    p.add_argument("--methods", default="bp,zl-last1-lens")
+    p.add_argument("--lrs", default="3e-3,1e-2,1e-3,3e-2,3e-4",
+                   help="the LR sweep, per method and task, in the order to run (most likely first)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--budgets", default="256,1024,2048", help="training examples")
+    p.add_argument("--sweep-budget", type=int, default=1024)
+    p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--targets", default="qv", choices=sorted(Q.LORA_TARGETS), help="LoRA on q/v or every linear layer")
+    p.add_argument("--val", type=int, default=128)
+    p.add_argument("--test", type=int, default=400)
+    p.add_argument("--curve-every", type=int, default=256)
+    p.add_argument("--curve-val", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--window", type=int, default=2)
+    p.add_argument("--data-seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads (run one worker per core)")
+    p.add_argument("--cells", default=str(CELLS))
+    p.add_argument("--cache", default=os.environ.get("ZL_SMOLLM2_CACHE", "/tmp/zl_smollm2_fp32"))
+    p.add_argument("--log", default=None, help="progress lines to this file (default stdout)")
+    a = p.parse_args(argv)
+    a.tasks = [t for t in a.tasks.split(",") if t]
+    bad = [t for t in a.tasks if t not in TASKS]
+    if bad:
+        p.error(f"unknown task(s) {', '.join(bad)}; use {', '.join(TASKS)}")
+    a.methods = [m for m in a.methods.split(",") if m]
+    bad = [m for m in a.methods if m not in Q.METHODS or m in ("zero-shot", "zl-pipeline")]
+    if bad:
+        p.error(f"unknown or unsupported method(s) {', '.join(bad)}; use e.g. bp, zl-last1-lens, zl0.5-lens")
+    a.lrs = [float(x) for x in a.lrs.split(",")]
+    a.seeds = [int(x) for x in a.seeds.split(",")]
+    a.budgets = [int(x) for x in a.budgets.split(",")]
+    if a.sweep_budget not in a.budgets:
+        p.error(f"--sweep-budget {a.sweep_budget} is not one of --budgets {a.budgets}")
+    if a.cmd == "report":
+        report(a)
+        return 0
+    Study(a).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
