@@ -105,7 +105,12 @@ def resolve(cfg: RunConfig) -> Job:
         if not cfg.program:
             raise CliError("--program DIR is required (the output of zl-export)")
         program, data, devices, held_out = Path(cfg.program), cfg.data, cfg.devices, cfg.held_out
-        cfg.emulated_count()  # before anything is loaded
+        n_emulated = cfg.emulated_count()  # before anything is loaded
+        if cfg.runtime is not None:
+            if n_emulated is None:
+                raise CliError("--runtime picks what emulated phones run: use --devices emulated:N (a real phone runs the app)")
+            from .kotlin_phone import parse_runtimes
+            parse_runtimes(cfg.runtime, n_emulated)
         run_dir = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
         settings = None
@@ -142,8 +147,6 @@ def bring_up(cfg: RunConfig, job: Job) -> Devices:
         return _emulated(cfg, job, emulated_count(job.devices))
     if cfg.cpu_share is not None:
         raise CliError("--cpu-share budgets emulated phones only: use --devices emulated:N")
-    if cfg.runtime is not None:
-        raise CliError("--runtime picks what emulated phones run: use --devices emulated:N (a real phone runs the app)")
     if job.links.mbit or job.links.delay_ms:
         raise CliError("--link-mbit / --link-delay-ms shape emulated phones' links only: use --devices emulated:N")
     return _real(cfg, job)
