@@ -104,6 +104,20 @@ def test_a_declared_body_is_not_allocated_before_its_bytes_arrive(phone):
     assert_serves(phone)
 
 
+def test_large_bodies_once_freed_leave_rss_where_it_was(phone):
+    """Whole bodies of 3-40 MiB (bad CRC: each session ends) are received and freed; glibc must
+    hand them back (zl_mobile/heap.py) instead of keeping them on its heap for good."""
+    base = _rss_mib(phone.pid)
+    for n in [3, 9, 20, 40, 30, 9, 40, 20, 3, 30] * 2:
+        with Session(phone) as s:
+            s.sock.sendall(encode_header(MsgType.FILE_CHUNK, n << 20) + b"\1" * ((n << 20) + 4))
+            _expect(s.recv, "BAD_CHECKSUM")
+    time.sleep(1.0)
+    grown = _rss_mib(phone.pid) - base
+    assert grown < 24, f"RSS stayed {grown:.0f} MiB up after 20 large bodies were freed"
+    assert_serves(phone)
+
+
 # ---- the data link -----------------------------------------------------------------------------
 
 class Link:
