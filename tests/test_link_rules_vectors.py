@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 
 from zl_mobile.links import NO_END, InboundLink, InboundQueue, OutboundLink
-from zl_mobile.protocol import (DeviceAuth, Message, MsgType, host_handshake, new_token, recv_message,
-                                send_message, device_handshake)
+from zl_mobile.protocol import (ConnectionClosed, DeviceAuth, Message, MsgType, host_handshake, new_token,
+                                recv_message, send_message, device_handshake)
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "link_rules" / "link_rules.json").read_text())
 TIMEOUT = 10.0
@@ -132,6 +132,15 @@ def test_outbound_link(scenario):
                 pytest.fail(f"unknown step in {where}")
             if step.get("sent"):
                 assert down.read_sent(len(step["sent"])) == step["sent"], where
+            if "refused" in step:  # ERROR UNEXPECTED with the rule's words, then the link drops
+                err = recv_message(down.sock)
+                assert err.type == MsgType.ERROR and err["code"] == "UNEXPECTED", where
+                assert err["message"] == step["refused"], where
+                with pytest.raises((ConnectionClosed, ConnectionResetError)):
+                    recv_message(down.sock)
+                down.sock.close()
+                down.hs.close()
+                down.sock = None
             if "error" in step:
                 expected_errors.append(step["error"])
                 _wait(f"the error of {where}", lambda: len(errors) >= len(expected_errors))

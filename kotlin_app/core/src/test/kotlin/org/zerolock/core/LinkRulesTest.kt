@@ -32,19 +32,21 @@ class LinkRulesVectorsTest {
                 val step = st.asObject()
                 val where = "${s.str("name")}, step $i $step"
                 var error: String? = null
+                var refused: String? = null
                 when (step.str("do")) {
                     "publish" -> for (mb in longs(step["mb"])) link.publish(mb, "h$mb")
                     "connect" -> link.connected()
                     "disconnect" -> link.disconnected()
                     "replay_request" -> error = link.onReplayRequest(step.long("from"))
                     "credit" -> link.onCredit(step.long("n"))
-                    "committed" -> link.onCommitted(step.long("window"))
+                    "committed" -> refused = link.onCommitted(step.long("window"))
                     else -> error("unknown step in $where")
                 }
                 // the link sends whatever the rules allow, as soon as they allow it
                 val sent = generateSequence { link.takeNext() }.map { (mb, h) -> assertEquals("h$mb", h); mb }.toList()
                 assertEquals(step["sent"]?.let { longs(it) } ?: emptyList<Long>(), sent, "sent: $where")
                 assertEquals(step["error"] as String?, error, "error: $where")
+                assertEquals(step["refused"] as String?, refused, "refused: $where")
                 step["buffered"]?.let { assertEquals(longs(it), link.buffered(), "buffered: $where") }
                 step["full"]?.let { assertEquals(it as Boolean, link.full(), "full: $where") }
             }
