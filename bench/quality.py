@@ -39,6 +39,7 @@ every method, so the numbers compare), found per position by bisection.
 
   python bench/quality.py                                     # the full configuration (slow)
   python bench/quality.py --train 48 --val 16 --test 40 --seeds 0 --lrs 3e-3 --seq-len 32  # small
+  python bench/quality_study.py run   # issue 32's study: budgets, wide sweep, two tasks, resumable
 """
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def plot_path(out) -> Path:
     return out.with_name(out.stem + "_curve.png")
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
-KEEP = "### Reading the run"  # a hand-written sub-section after the generated part, kept on re-render
+KEEP = "### Issue 32 study"  # bench/quality_study.py's sub-section after the generated part, kept on re-render
 METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra", "zl0.5-lens", "zl1-lens", "zl-rising-lens", "zl-last1-lens",
            "zl-pipeline")
 # alpha per method; a tuple is per chunk (the seed review's suggestion: more task weight deeper down)
@@ -446,7 +447,10 @@ def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=prin
     work = Path(a.cache) / f"pipeline-seed{seed}"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    order = np.random.default_rng(seed).permutation(len(data["train"])).tolist()
+    if getattr(a, "targets", "qv") != "qv":
+        sys.exit("bench/quality.py: zl-pipeline runs the export's LoRA (q_proj/v_proj); drop --targets all for it")
+    rng = np.random.default_rng(seed)  # the fast path's order, epoch after epoch, as one pass of the file
+    order = [i for _ in range(getattr(a, "epochs", 1)) for i in rng.permutation(len(data["train"])).tolist()]
     rows = work / "train.jsonl"
     rows.write_text("".join(json.dumps(data["train_rows"][i]) + "\n" for i in order))
     cmd = [sys.executable, "-m", "host.cli", "run", "--program", str(export), "--data", str(rows),
@@ -472,7 +476,7 @@ def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=prin
         pm.unload()
     return {"method": "zl-pipeline", "lr": lr, "seed": seed, "split": "test", "eval": ev, "curve": [],
             "first_step_losses": {k: v for k, v in sorted(first.items())}, "train_seconds": seconds,
-            "samples": len(data["train"]), "export": str(export), "alpha": e["alpha"], "readout": e.get("readout")}
+            "samples": len(order), "export": str(export), "alpha": e["alpha"], "readout": e.get("readout")}
 
 
 # ---------------------------------------------------------------- report
@@ -632,6 +636,9 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--window", type=int, default=2, help="micro-batches per update window")
+    p.add_argument("--epochs", type=int, default=1, help="passes over the training rows, each in a fresh order")
+    p.add_argument("--targets", default="qv", choices=sorted(LORA_TARGETS),
+                   help="LoRA on q_proj/v_proj (what zl-export ships) or every linear layer, for every method")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--curve-every", type=int, default=64, help="evaluate on validation every N samples (0: off)")
     p.add_argument("--curve-val", type=int, default=None, help="validation samples for the curve (default all)")

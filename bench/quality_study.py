@@ -193,7 +193,7 @@ class Study:
     def run(self):
         a = self.a
         for task in a.tasks:
-            self.run_cell(task, "zero-shot", 0.0, 0, 0, "test", epochs=1)
+            self.run_cell(task, "zero-shot", 0.0, 0, 0, "test", epochs=1, wait=False)
             # the sweeps of all methods first, LR by LR, so that two workers (or a run cut short)
             # cover every method's most likely rates early; --lrs in the order to run them
             for lr in a.lrs:
@@ -218,7 +218,7 @@ def load_cells(cells: Path) -> list[dict]:
     return [json.loads(f.read_text()) for f in sorted(cells.glob("*/*.json"))]
 
 
-def summarise(runs) -> dict:
+def summarise(runs, planned_lrs=()) -> dict:
     """{task: {"sweep": {method: {lr: (val NLL, val metric)}}, "test": {(method, budget): stats}}}."""
     out = {}
     for r in runs:
@@ -235,6 +235,7 @@ def summarise(runs) -> dict:
             best = min(lrs, key=lambda x: sw[x]["answer_nll"])
             sw["chosen"] = best
             sw["at_edge"] = len(lrs) > 1 and best in (lrs[0], lrs[-1])
+            sw["missing"] = sorted(set(planned_lrs) - set(lrs))  # a sweep still running: its choice may move
         stats = {}
         for key, rs in t["test"].items():
             v = np.array([metric(r, task) for r in rs])
@@ -253,7 +254,16 @@ def plot(summary, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4), squeeze=False)
+    fig, axes = plt.subplots(2, len(summary), figsize=(5.5 * len(summary), 7.5), squeeze=False)
+    for ax, (task, t) in zip(axes[1], sorted(summary.items())):  # the sweeps: validation metric against LR
+        for i, (key, sw) in enumerate(sorted(t["sweep"].items())):
+            lrs = sorted(x for x in sw if not isinstance(x, str))
+            ax.plot(lrs, [sw[x]["metric"] for x in lrs], marker="o", color=f"C{i}", label=key.replace("|", " "))
+        ax.set_xscale("log")
+        ax.set_xlabel("learning rate (seed 0, sweep budget)")
+        ax.set_ylabel(f"validation {METRIC[task].replace('_', ' ')}")
+        ax.set_title(f"{task}: LR sweep")
+        ax.legend(fontsize=7)
     for ax, (task, t) in zip(axes[0], sorted(summary.items())):
         methods = sorted({k.rsplit("|", 1)[0] for k in t["test"] if not k.startswith("zero-shot")})
         for i, m in enumerate(methods):
@@ -291,14 +301,16 @@ def markdown(summary, settings) -> str:
             lrs = sorted(x for x in sw if not isinstance(x, str))
             lines.append(f"- Sweep {key.replace('|', ', ')} (budget {sw[lrs[0]]['budget']}, seed 0, validation): "
                          + ", ".join(f"{x:g}: NLL {sw[x]['answer_nll']:.3f} / {sw[x]['metric']:.3f}" for x in lrs)
-                         + f" -> {sw['chosen']:g}" + (" (AT THE EDGE of the sweep)" if sw["at_edge"] else " (inside the sweep)"))
+                         + f" -> {sw['chosen']:g}"
+                         + (f" so far (partial sweep: {', '.join(f'{x:g}' for x in sw['missing'])} not run yet)"
+                            if sw["missing"] else " (AT THE EDGE of the sweep)" if sw["at_edge"] else " (inside the sweep)"))
         lines.append("")
     return "\n".join(lines)
 
 
 def report(a):
     runs = load_cells(Path(a.cells))
-    summary = summarise(runs)
+    summary = summarise(runs, a.lrs)
     if summary:
         plot(summary, PLOT)
     OUT.write_text(json.dumps({"settings": {k: v for k, v in vars(a).items() if k not in ("cmd",)},

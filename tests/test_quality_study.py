@@ -1,0 +1,90 @@
+"""bench/quality_study.py's bookkeeping, without the model: finished cells are reused, cells another
+live worker holds are left to it, a dead worker's cell is taken over, and the report says whether the
+chosen LR is inside the sweep, at its edge, or the sweep is not finished."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from bench import quality_study as QS
+
+
+def study(tmp_path, *extra):
+    args = ["run", "--cells", str(tmp_path), "--lrs", "1e-3,3e-3,1e-2", "--tasks", "wordnet", *extra]
+    ns = parse(args)
+    return QS.Study(ns)
+
+
+def parse(argv):
+    """main()'s parsing, without running: the namespace Study gets."""
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_run(self):
+        seen["a"] = self.a
+        raise Stop
+
+    real = QS.Study.run
+    QS.Study.run = fake_run
+    try:
+        QS.main(argv)
+    except Stop:
+        pass
+    finally:
+        QS.Study.run = real
+    return seen["a"]
+
+
+def fake_cell(task, method, lr, split, nll, acc, budget=1024, seed=0):
+    ev = {f"chunk_{k}": {"answer_nll": nll, "choice_accuracy": acc, "label_accuracy": acc, "delta_k": 0.0, "rows": 4}
+          for k in range(3)}
+    return {"task": task, "method": method, "lr": lr, "seed": seed, "split": split, "budget": budget, "epochs": 1,
+            "targets": "qv", "eval": ev, "curve": [], "train_seconds": 1.0}
+
+
+def write(tmp_path, r):
+    name = QS.cell_name(r["task"], r["method"], r["lr"], r["seed"], r["budget"], 1, "qv", r["split"])
+    f = tmp_path / name
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(json.dumps(r))
+    return name
+
+
+def test_finished_cells_are_reused_without_loading_the_model(tmp_path):
+    s = study(tmp_path)
+    r = fake_cell("wordnet", "bp", 3e-3, "validation", 0.5, 0.8)
+    write(tmp_path, r)
+    assert s.run_cell("wordnet", "bp", 3e-3, 0, 1024, "validation") == r
+    assert s.base is None  # nothing was loaded: a rerun skips what is on disk
+
+
+def test_a_live_workers_cell_is_left_to_it_and_a_dead_workers_taken_over(tmp_path):
+    s = study(tmp_path)
+    name = QS.cell_name("wordnet", "bp", 1e-2, 0, 1024, 1, "qv", "validation")
+    lock = (tmp_path / name).with_suffix(".lock")
+    lock.parent.mkdir(parents=True)
+    lock.write_text(str(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"]).pid))
+    assert s.claim(name) is False
+    assert s.run_cell("wordnet", "bp", 1e-2, 0, 1024, "validation", wait=False) is None
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock.write_text(str(dead.pid))
+    assert s.claim(name) is True and lock.read_text() == str(__import__("os").getpid())
+
+
+def test_the_report_says_where_the_chosen_lr_lies(tmp_path):
+    runs = [fake_cell("wordnet", "bp", lr, "validation", nll, 0.8) for lr, nll in ((1e-3, 0.6), (3e-3, 0.4), (1e-2, 0.5))]
+    runs += [fake_cell("wordnet", "zl-last1-lens", lr, "validation", nll, 0.7) for lr, nll in ((1e-3, 0.6), (3e-3, 0.5))]
+    runs += [fake_cell("wordnet", "bp", 3e-3, "test", 0.4, acc, seed=s) for s, acc in ((0, 0.8), (1, 0.9))]
+    summary = QS.summarise(runs, [1e-3, 3e-3, 1e-2])
+    md = QS.markdown(summary, None)
+    bp = summary["wordnet"]["sweep"]["bp|qv|e1"]
+    assert bp["chosen"] == 3e-3 and not bp["at_edge"] and "-> 0.003 (inside the sweep)" in md
+    assert "-> 0.003 so far (partial sweep: 0.01 not run yet)" in md  # zl: two of three rates
+    t = summary["wordnet"]["test"]["bp|qv|e1|n1024"]
+    assert t["seeds"] == [0, 1] and abs(t["mean"] - 0.85) < 1e-9 and abs(t["std"] - 0.0707) < 1e-3
+    runs[1]["eval"]["chunk_2"]["answer_nll"] = 0.9  # now 1e-2 wins: the top of the sweep
+    assert "-> 0.01 (AT THE EDGE of the sweep)" in QS.markdown(QS.summarise(runs, [1e-3, 3e-3, 1e-2]), None)
