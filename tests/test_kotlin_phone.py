@@ -122,3 +122,45 @@ def test_zl_host_run_refuses_runtime_for_real_devices(small_export, capsys):
     rc = main(["run", "--program", str(small_export[0]), "--devices", "phone-a,phone-b", "--runtime", "kotlin"])
     err = capsys.readouterr().err
     assert rc == 2 and "--runtime picks what emulated phones run" in err, err
+
+
+@pytest.fixture(scope="module")
+def baselines(small_export, built, tmp_path_factory):
+    """Uninterrupted runs by phone runtimes, the references of the recovery tests (same phones, same bits)."""
+    cache = {}
+
+    def get(runtimes: list[str]):
+        key = ",".join(runtimes)
+        if key not in cache:
+            cache[key] = _run(small_export[0], tmp_path_factory.mktemp("base"), runtimes,
+                              settings=RunSettings(windows=6, window_size=2, lr=2e-2, inflight_depth=2))
+        return cache[key]
+    return get
+
+
+@pytest.mark.parametrize("runtimes,stage", [(["kotlin"] * 3, 2), (["kotlin"] * 3, 1), (["python", "kotlin", "python"], 1)])
+def test_kill_9_of_a_kotlin_phone_mid_run_ends_with_the_uninterrupted_lora(small_export, baselines, tmp_path,
+                                                                          runtimes, stage):
+    """A real SIGKILL of a Kotlin phone's JVM once its stage committed window 2: the host restarts
+    it, the stage restores its checkpoint, its upstream replays, and the run ends as the
+    uninterrupted one with the same phones, bit for bit, every window committed once."""
+    base, base_records = baselines(runtimes)
+    phones, killed, events = [], [], []
+
+    def on_event(kind, data):
+        events.append((kind, data))
+        if kind == "checkpoint_committed" and data["stage"] == stage and data["window"] == 2 and not killed:
+            phone = next(p for p in phones if p.name == data["device"])
+            assert isinstance(phone, KotlinPhone)
+            phone.kill()
+            killed.append(phone.name)
+
+    result, records = _run(small_export[0], tmp_path, runtimes, phones_out=phones, on_event=on_event,
+                           settings=RunSettings(windows=6, window_size=2, lr=2e-2, inflight_depth=2))
+    assert killed
+    assert [d["stage"] for k, d in events if k == "failure"] == [stage]
+    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
+        [(k, w) for k in range(3) for w in range(6)]
+    assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
+    for n in base["lora"]:  # the same windows, applied once, in order: bit for bit
+        assert np.array_equal(result["lora"][n], base["lora"][n]), n
