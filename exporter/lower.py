@@ -8,6 +8,7 @@ import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
+from .dynamic_quant import use_quantized_gemms
 from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes
 from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
 from .partition_sort import sort_partitions_once
@@ -121,6 +122,7 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     for ep in methods.values():
         fold_weight_transposes(ep)
         drop_identity_ops(ep)
+        use_quantized_gemms(ep)  # int8 base weights: forward products as XNNPACK's int8 GEMM
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
