@@ -16,7 +16,7 @@ KOTLIN_APP = ROOT / "kotlin_app"
 RUNTIMES = ("python", "kotlin")
 # the JVM's own share of a phone's memory kept small, as on a phone: tensors move through
 # ExecuTorch's memory (kept activations) and small heap arrays; SerialGC adds no GC threads
-JVM_OPTIONS = ["-Xmx512m", "-XX:+UseSerialGC", "-XX:TieredStopAtLevel=1", "-Xshare:auto"]
+JVM_OPTIONS = ["-Xmx512m", "-XX:+UseSerialGC", "-Xshare:auto"]
 # zl-phone options a Kotlin phone takes as they are; the others are turned into a launcher or refused
 PASSED = {"--threads"}
 FLAGS_IGNORED = {"--mdns"}  # the JVM phone does not advertise itself; `zl-host emulate` does it for it

@@ -86,6 +86,7 @@ object DeviceMain {
             System.err.println("[device] ExecuTorch: $registry")
             ManifestRunnerFactory { program, weights -> ExecuTorchBackend.load(program, weights) }
         }
+        val pss = PssSampler()
         val server = DeviceServer(
             info = DeviceInfo(name, runtimeLabel(runtime), Runtime.getRuntime().maxMemory(), listOf("lora", "replay")),
             token = tok,
@@ -93,7 +94,7 @@ object DeviceMain {
             checkpointDir = File(root, "checkpoints"),
             runners = runners,
             // PSS from /proc/self/smaps_rollup where Linux has it (else the JVM heap in use); no temperature
-            stats = { Pair(ProcStats.SELF.pssBytes() ?: (Runtime.getRuntime().totalMemory() - Runtime.getRuntime().freeMemory()), null) },
+            stats = { Pair(pss.read(), null) },
             log = { System.err.println("[device] $it") },
         )
         val p = server.start(port, InetAddress.getByName(bind))
@@ -108,5 +109,24 @@ object DeviceMain {
         // serve until stdin closes (the parent process went away) or we are killed
         try { while (System.`in`.read() >= 0) {} } catch (_: Exception) {}
         server.close()
+    }
+}
+
+/**
+ * PSS read at most every [everyNs] (as zl_mobile's PssSampler): the kernel walks every mapping
+ * for smaps_rollup, and a JVM has many, which a tiny chunk's milliseconds-long step would pay.
+ */
+internal class PssSampler(private val everyNs: Long = 250_000_000L) {
+    private var at = 0L
+    private var value = 0L
+
+    @Synchronized
+    fun read(): Long {
+        val now = System.nanoTime()
+        if (at == 0L || now - at >= everyNs) {
+            value = ProcStats.SELF.pssBytes() ?: (Runtime.getRuntime().totalMemory() - Runtime.getRuntime().freeMemory())
+            at = now
+        }
+        return value
     }
 }
