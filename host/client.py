@@ -12,14 +12,18 @@ from pathlib import Path
 import numpy as np
 
 from zl_mobile.connection import Connection, connect
-from zl_mobile.protocol import ConnectionClosed, Message, MsgType, ProtocolError, host_handshake
+from zl_mobile.protocol import ConnectionClosed, ErrorCode, Message, MsgType, ProtocolError, host_handshake
 
 log = logging.getLogger("host.client")
 CHUNK_BYTES = 1 << 20
 
 
 class DeviceError(Exception):
-    """A device refused a request or went away."""
+    """A device refused a request or went away; `code` is the ErrorCode it answered with, if any."""
+
+    def __init__(self, message: str, code=None):
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -45,7 +49,8 @@ class DeviceClient:
             self.hello = host_handshake(sock, token, host_name="zl-host")
         except ProtocolError as e:
             sock.close()
-            raise DeviceError(f"{name} at {endpoint} refused the handshake ({e.code.value}): {e.message}") from None
+            raise DeviceError(f"{name} at {endpoint} refused the handshake ({e.code.value}): {e.message}",
+                              code=e.code) from None
         sock.settimeout(None)
         self.conn = Connection(sock)
         self.last_heard = time.time()
@@ -143,3 +148,20 @@ class DeviceClient:
 
     def close(self) -> None:
         self.conn.close()
+
+
+def open_session(name: str, endpoint: str, token: str, events: "queue.Queue[Event]", timeout: float = 10.0,
+                 **kwargs) -> DeviceClient:
+    """A session with a phone, BUSY retried for `timeout` seconds: a host that has just closed a
+    session with this phone (profile's passes, a restart) may reach it before the phone has seen
+    that close and freed its one session slot, which a loaded phone takes a while to do. A phone
+    still BUSY after that serves another host, and the error says so."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return DeviceClient(name, endpoint, token, events, connect_timeout=timeout, **kwargs)
+        except DeviceError as e:
+            if e.code != ErrorCode.BUSY or time.time() >= deadline:
+                raise
+            time.sleep(0.2)
+

@@ -18,7 +18,7 @@ from zl_mobile.backends import EAGER_CAPABILITY
 from zl_mobile.links import OutboundLink
 from zl_mobile.protocol import Message, MsgType
 
-from .client import DeviceClient, DeviceError, Event
+from .client import DeviceClient, DeviceError, Event, open_session
 from .plan import RunSettings, assign_by_memory
 
 log = logging.getLogger("host.coordinator")
@@ -94,8 +94,7 @@ class Coordinator:
     # ---- setup
     def _connect(self, st: StageState, timeout: float = 10.0) -> None:
         try:
-            st.client = DeviceClient(st.device.name, st.device.endpoint, st.device.token, self.events,
-                                     connect_timeout=timeout)
+            st.client = open_session(st.device.name, st.device.endpoint, st.device.token, self.events, timeout)
         except OSError as e:  # ConnectionClosed too
             if st.device.serial is None:
                 raise

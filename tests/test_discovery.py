@@ -79,11 +79,11 @@ def test_run_devices_uses_only_valid_phones_and_says_what_it_skipped(publisher, 
     publisher(f"{TAG}-bad", 40011, {"name": f"{TAG}-bad", **GOOD, "mem": "8GB"})
     publisher(f"{TAG}-good", 40012, {"name": f"{TAG}-good", **GOOD})
     tokens = {f"{TAG}-bad": new_token(), f"{TAG}-good": new_token()}
-    handles = resolve("auto", 1, tokens, wait_s=5, interfaces="127.0.0.1")
+    handles = resolve("auto", 1, tokens, wait_s=30, interfaces="127.0.0.1")
     assert [(h.name, h.endpoint) for h in handles] == [(f"{TAG}-good", "127.0.0.1:40012")]
     # a service that did not get in the way of a quick choice may not have been resolved yet; by name it is
     with pytest.raises(DeviceLookupError) as e:
-        resolve(f"{TAG}-bad", 1, tokens, wait_s=3, interfaces="127.0.0.1")
+        resolve(f"{TAG}-bad", 1, tokens, wait_s=10, interfaces="127.0.0.1")
     msg = str(e.value)
     assert "\n" not in msg and f"{TAG}-bad at 127.0.0.1:40011 advertises an invalid TXT record" in msg
     assert "mem '8GB' is not a whole number of bytes" in msg and "docs/PROTOCOL.md 10.3" in msg
@@ -204,16 +204,16 @@ def test_a_taken_name_is_renamed_and_namesakes_are_refused_by_name(capsys):
             assert (second.instance_label, second.renamed) == (f"{name} (2)", True)
             tokens = {name: new_token()}
             with pytest.raises(DeviceLookupError) as e:
-                resolve(name, 1, tokens, wait_s=4, interfaces="127.0.0.1")
+                resolve(name, 1, tokens, wait_s=10, interfaces="127.0.0.1")
             msg = str(e.value)
             assert "\n" not in msg and f"2 devices are named '{name}'" in msg
             assert "127.0.0.1:40031" in msg and "127.0.0.1:40032" in msg and "ADDRESS:PORT" in msg and "serial" in msg
-            (h,) = resolve("127.0.0.1:40032", 1, tokens, wait_s=4, interfaces="127.0.0.1")
+            (h,) = resolve("127.0.0.1:40032", 1, tokens, wait_s=30, interfaces="127.0.0.1")
             assert (h.name, h.endpoint, h.token) == (name, "127.0.0.1:40032", tokens[name])
-            (h,) = resolve(f"{name} (2)", 1, tokens, wait_s=4, interfaces="127.0.0.1")  # its instance name
+            (h,) = resolve(f"{name} (2)", 1, tokens, wait_s=30, interfaces="127.0.0.1")  # its instance name
             assert h.endpoint == "127.0.0.1:40032"
             with pytest.raises(DeviceLookupError) as e:  # auto does not guess between them either
-                resolve("auto", 1, tokens, wait_s=2, interfaces="127.0.0.1")
+                resolve("auto", 1, tokens, wait_s=6, interfaces="127.0.0.1")
             assert f"left out, named alike: {name}" in str(e.value)
         finally:
             second.close()
