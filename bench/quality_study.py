@@ -308,6 +308,45 @@ def markdown(summary, settings) -> str:
     return "\n".join(lines)
 
 
+SUBHEADING = "### Issue 32 study: budgets, a wide LR sweep, two tasks (bench/quality_study.py)"
+
+
+def header(runs, a) -> str:
+    from bench.common import machine
+
+    m = machine()
+    loads = sorted({r["load_average"].split()[0] for r in runs if r.get("load_average")}, key=float)
+    return (f"{len(runs)} cell{'s' if len(runs) != 1 else ''} finished (bench/results/quality_cells/, one JSON per (task, method, LR, seed, budget, "
+            f"epochs, LoRA targets, split)); {m['cpu']}, {m['cores']} cores shared with the other sessions (1-min load "
+            f"average at the cells' ends {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}), each worker one "
+            f"torch thread at nice 19. Settings for every method: SmolLM2-135M-Instruct (GGUF Q4_1 -> fp32), chunks "
+            f"0-9 / 10-19 / 20-29, LoRA r=8, lora_alpha=16 on {a.targets} ({', '.join(Q.LORA_TARGETS[a.targets])}), "
+            f"zl_mobile AdamW, micro-batch {a.micro_batch}, window {a.window} (token-level mean), seq len {a.seq_len}, "
+            f"{a.epochs} epoch(s), data seed {a.data_seed}; validation {a.val} rows, test {a.test} rows; LR swept over "
+            f"{', '.join(f'{x:g}' for x in sorted(a.lrs))} at budget {a.sweep_budget}, seed 0, chosen by validation answer "
+            f"NLL; then seeds {','.join(map(str, a.seeds))} at budgets {', '.join(map(str, a.budgets))}. "
+            f"Plot: `bench/results/quality_study.png` (test metric vs training samples; validation metric vs LR).")
+
+
+def write_doc(text: str, doc: Path = Q.DOC) -> None:
+    """Replace (or add, at the end of the Quality section) only this study's sub-section."""
+    lines = doc.read_text().splitlines(keepends=True)
+    body = SUBHEADING + "\n\n" + text.rstrip("\n") + "\n\n"
+    try:
+        start = next(i for i, ln in enumerate(lines) if ln.rstrip() == SUBHEADING)
+    except StopIteration:
+        q = next((i for i, ln in enumerate(lines) if ln.rstrip() == Q.HEADING), None)
+        if q is None:
+            sys.exit(f"bench/quality_study.py: no '{Q.HEADING}' in {doc}; add the Quality section first")
+        start = next((j for j in range(q + 1, len(lines)) if lines[j].startswith("## ")), len(lines))
+        lines[start:start] = [body]
+        doc.write_text("".join(lines))
+        return
+    end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith(("## ", "### "))), len(lines))
+    lines[start:end] = [body]
+    doc.write_text("".join(lines))
+
+
 def report(a):
     runs = load_cells(Path(a.cells))
     summary = summarise(runs, a.lrs)
@@ -315,7 +354,12 @@ def report(a):
         plot(summary, PLOT)
     OUT.write_text(json.dumps({"settings": {k: v for k, v in vars(a).items() if k not in ("cmd",)},
                                "summary": summary}, indent=1, default=str))
-    print(markdown(summary, a))
+    text = header(runs, a) + "\n\n" + markdown(summary, a)
+    if a.notes:
+        text += "\n" + Path(a.notes).read_text()
+    print(text)
+    if a.doc:
+        write_doc(text)
 
 
 def main(argv=None) -> int:
@@ -342,6 +386,8 @@ def main(argv=None) -> int:
     p.add_argument("--cells", default=str(CELLS))
     p.add_argument("--cache", default=os.environ.get("ZL_SMOLLM2_CACHE", "/tmp/zl_smollm2_fp32"))
     p.add_argument("--log", default=None, help="progress lines to this file (default stdout)")
+    p.add_argument("--doc", action="store_true", help="report: write the sub-section into docs/BENCHMARKS.md")
+    p.add_argument("--notes", default=None, help="report: a markdown file of findings appended to the sub-section")
     a = p.parse_args(argv)
     a.tasks = [t for t in a.tasks.split(",") if t]
     bad = [t for t in a.tasks if t not in TASKS]
