@@ -149,10 +149,9 @@ class Study:
             curve_mbs = Q.batches(data["validation"], range(min(self.a.curve_val, len(data["validation"]))),
                                   s.micro_batch, s.seq_len, s.pad_id)
         rows = data[f"{split}_rows"]
-        extra = None
-        if task == "wordnet-reverse":
-            def extra(pm):
-                return exact_match(Q.causal_lm(pm), self.tok, rows, s.seq_len)
+        # the generative task's score: greedy generation through the trained model, before its LoRA is unloaded
+        extra = ((lambda pm: exact_match(Q.causal_lm(pm), self.tok, rows, s.seq_len))
+                 if task == "wordnet-reverse" else None)
         n_mb = [0]
 
         def log(msg):  # every 32nd micro-batch: enough to see progress and speed
