@@ -407,10 +407,10 @@ def test_bad_frame_after_authentication_drops_only_that_session(phone):
         with pytest.raises((ConnectionClosed, ConnectionResetError)):
             s.recv()
     log.wait_line("dropping the host session", "BAD_CHECKSUM:")
-    with Session(phone) as s:  # oversized after auth: the 256 MiB limit, from the header alone
+    with Session(phone) as s:  # oversized after auth: the host session's 64 MiB limit, from the header alone
         s.sock.sendall(encode_header(MsgType.STATE_PUT, 0xFFFFFFF0))
         msg = s.recv()
-        assert msg.type == MsgType.ERROR and msg["code"] == "OVERSIZED" and "256.0 MiB limit" in msg["message"]
+        assert msg.type == MsgType.ERROR and msg["code"] == "OVERSIZED" and "64.0 MiB limit" in msg["message"]
     assert_serves(phone)
 
 

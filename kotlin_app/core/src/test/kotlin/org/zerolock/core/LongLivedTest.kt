@@ -192,4 +192,33 @@ class LongLivedTest {
             }
         }
     }
+
+    @Test
+    fun `at the connection cap the oldest unauthenticated connection gives way to a host`(@TempDir dir: File) {
+        server(dir).also { it.maxConnections = 2; it.handshakeTimeoutMs = 30_000 }.use { srv ->
+            val port = srv.start(0, InetAddress.getLoopbackAddress())
+            val idle = (0 until 2).map { Socket(InetAddress.getLoopbackAddress(), port).also { s -> s.soTimeout = 5000 } }
+            Thread.sleep(300) // both accepted and waiting for AUTH_REQUEST
+            val t0 = System.currentTimeMillis()
+            Conn(port).use { c -> assertEquals("jvm-longlived", hostHandshake(c.r, c.w, token, "test-host").string("name")) }
+            assertTrue(System.currentTimeMillis() - t0 < 5000, "the host got in at once")
+            val closed = idle.count { s ->
+                s.soTimeout = 500
+                try { s.getInputStream().read() == -1 } catch (_: java.net.SocketTimeoutException) { false }
+            }
+            assertEquals(1, closed, "one idle connection gave way, the other is still open")
+            idle.forEach { it.close() }
+        }
+    }
+
+    @Test
+    fun `a host ERROR without request_id ends the session`(@TempDir dir: File) {
+        server(dir).use { srv ->
+            Conn(srv.start(0, InetAddress.getLoopbackAddress())).use { c ->
+                hostHandshake(c.r, c.w, token, "test-host")
+                c.w.write(Message(MsgType.ERROR, linkedMapOf("code" to "INTERNAL", "message" to "host gave up")))
+                assertThrows<org.zerolock.core.protocol.ConnectionClosedException> { while (true) c.r.read() }
+            }
+        }
+    }
 }
