@@ -23,6 +23,7 @@ from .graph_passes import frozen_placeholders
 
 aten = torch.ops.aten
 _CASTS = (aten._to_copy.default, aten.to.dtype)
+_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def _quantized_decomposed():
@@ -58,11 +59,14 @@ def use_quantized_gemms(ep: ExportedProgram) -> int:
             continue
         x, cast = lin.args
         q = _int8_weight(cast, frozen)
-        users = list(lin.users)
-        if q is None or len(users) != 1 or users[0].target is not aten.mul.Tensor:
+        if q is None or len(lin.users) != 1:
             continue
-        mul = users[0]
-        scale = mul.args[1] if mul.args[0] is lin else mul.args[0]
+        # a 3-D x traces as a view to 2-D, the product, and a view back before the scale
+        view = next(iter(lin.users)) if next(iter(lin.users)).target in _VIEWS else None
+        mul = next(iter((view or lin).users)) if len((view or lin).users) == 1 else None
+        if mul is None or mul.target is not aten.mul.Tensor:
+            continue
+        scale = mul.args[1] if mul.args[0] is (view or lin) else mul.args[0]
         n_out = q.meta["val"].shape[0]
         if scale not in frozen or tuple(scale.meta["val"].shape) != (n_out,) or x.meta["val"].dtype != torch.float32:
             continue
@@ -73,15 +77,16 @@ def use_quantized_gemms(ep: ExportedProgram) -> int:
             node.meta["val"] = target(*vals)
             return node
 
-        with g.inserting_before(mul):
+        with g.inserting_before(view or mul):
             qp = call(qd.choose_qparams_per_token_asymmetric.default, (x, torch.int8))
             s, zp = call(operator.getitem, (qp, 0)), call(operator.getitem, (qp, 1))
             xq = call(qd.quantize_per_token.default, (x, s, zp, -128, 127, torch.int8))
             xd = call(qd.dequantize_per_token.default, (xq, s, zp, -128, 127, torch.int8, torch.float32))
             wd = call(qd.dequantize_per_channel.default, (q, scale, zeros(n_out), 0, -127, 127, torch.int8))
             new = call(aten.linear.default, (xd, wd))
-        new.meta = {**mul.meta, "val": new.meta["val"]}
-        mul.replace_all_uses_with(new)
+        new.meta = {**lin.meta, "val": new.meta["val"]}
+        lin.replace_all_uses_with(new)
+        mul.replace_all_uses_with(view or new)
         g.erase_node(mul)
         g.erase_node(lin)
         if not cast.users:
