@@ -164,3 +164,38 @@ def test_kill_9_of_a_kotlin_phone_mid_run_ends_with_the_uninterrupted_lora(small
     assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
     for n in base["lora"]:  # the same windows, applied once, in order: bit for bit
         assert np.array_equal(result["lora"][n], base["lora"][n]), n
+
+
+def test_kill_9_of_a_kotlin_upstream_that_ran_ahead_replays_from_disk(small_export, built, tmp_path_factory):
+    """Stage 1 (Kotlin) runs ahead of a slowed Python stage 2 until its replay buffer holds the
+    horizon, commits window 3, and is killed -9: its restarted JVM reloads what it had sent and
+    stage 2 has not committed from the on-disk copy (it cannot recompute it: its LoRA moved on),
+    learns stage 2's commit from the re-announcement on the new link, and the run ends with the
+    uninterrupted run's LoRA bit for bit."""
+    runtimes = ["kotlin", "kotlin", "python"]
+    slower = [{"stage": 2, "point": "slow-phase1", "seconds": 0.25}]
+
+    def settings():
+        return RunSettings(windows=8, window_size=2, lr=2e-2, inflight_depth=2, inject_failure=list(slower))
+
+    base, _ = _run(small_export[0], tmp_path_factory.mktemp("ahead-base"), runtimes, settings=settings())
+    phones, killed, behind = [], [], []
+    committed = {0: -1, 1: -1, 2: -1}
+
+    def on_event(kind, data):
+        if kind == "checkpoint_committed":
+            committed[data["stage"]] = max(committed[data["stage"]], data["window"])
+            if data["stage"] == 1 and data["window"] == 3 and not killed:
+                behind.append(committed[2])
+                phone = next(p for p in phones if p.name == data["device"])
+                phone.kill()
+                killed.append(phone.name)
+
+    result, records = _run(small_export[0], tmp_path_factory.mktemp("ahead"), runtimes, phones_out=phones,
+                           on_event=on_event, settings=settings())
+    assert killed and behind[0] < 3, f"stage 2 had committed window {behind} when stage 1 was killed: not behind"
+    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
+        [(k, w) for k in range(3) for w in range(8)]
+    assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
+    for n in base["lora"]:
+        assert np.array_equal(result["lora"][n], base["lora"][n]), n

@@ -113,6 +113,16 @@ class OutboundLinkState<T>(
         buffer[mb] = entry
     }
 
+    /**
+     * A restarted stage's buffer from the on-disk copy ([entries]: an unbroken run of micro-batches
+     * ending below [firstMb], its resume point); nothing older is held, so a request below them is
+     * the replay-unavailable error, not a wait.
+     */
+    fun restore(entries: List<Pair<Long, T>>, firstMb: Long) {
+        for ((mb, e) in entries) buffer[mb] = e
+        prunedBelow = if (buffer.isEmpty()) firstMb else buffer.firstKey()
+    }
+
     /** The buffer holds its bound: the producer must wait for a commit before its next forward. */
     fun full(): Boolean = buffer.size >= replayHorizon
 

@@ -43,9 +43,14 @@ class OutboundLink(
     private val maxFrame: Long = Frames.DEFAULT_MAX_FRAME,
     /** A frame begun with no byte for this long is a stall (TIMEOUT); quiet between frames is fine. */
     private val stallMs: Int = LinkRules.STALL_MS,
+    /** The buffer's on-disk copy ([ReplayStore]); a restarted stage reloads what it had sent below [firstMb]. */
+    private val store: ReplayStore? = null,
+    firstMb: Long = 0,
 ) : AutoCloseable {
     private val lock = Object()
-    private val state = OutboundLinkState<Message>(name, windowSize, replayHorizon, pruneOnCommit)
+    private val state = OutboundLinkState<Message>(name, windowSize, replayHorizon, pruneOnCommit).also { st ->
+        store?.let { st.restore(it.load(firstMb).map { m -> m.long("micro_batch") to m }, firstMb) }
+    }
     private var address: String? = null
     private var sock: Socket? = null
     private var stopped = false
@@ -73,6 +78,15 @@ class OutboundLink(
     }
 
     fun buffered(): List<Long> = synchronized(lock) { state.buffered() }
+
+    /** Writes a published hidden state to the on-disk copy (after it was handed to the sender,
+     *  so early forwarding does not wait for the disk). */
+    fun persist(m: Message) {
+        if (store != null && synchronized(lock) { m.long("micro_batch") in state }) store.put(m) // not if committed meanwhile
+    }
+
+    /** Before the stage commits a checkpoint: its window's hidden states are durable first. */
+    fun sync() { store?.sync() }
 
     /** Backpressure: block while the replay buffer holds its bound (until the downstream commits
      *  a window) or until [stop]; returns the nanoseconds waited. */
@@ -165,6 +179,7 @@ class OutboundLink(
                             // a commit past what was sent on this link is a lie: ERROR, nothing pruned
                             state.onCommitted(m.long("window"))?.let { throw ProtocolException(ErrorCode.UNEXPECTED, it) }
                             committed = m.meta
+                            store?.dropBelow((m.long("window") + 1) * state.windowSize)
                         }
                         MsgType.ERROR -> log("$name: downstream error ${m.string("code")}: ${m.string("message")}")
                         else -> log("$name: ignored ${m.type} from downstream")
@@ -246,6 +261,9 @@ class InboundLink(
                 synchronized(creditLock) { credits += it }
                 w.write(Messages.credit(it))
             }
+            // as zl_mobile: a new upstream (a restarted one reloading its replay buffer) learns what
+            // this stage committed, and prunes what it holds for it
+            lastCommit?.let { w.write(it) }
             while (true) {
                 val m = try { r.read() } catch (_: java.net.SocketTimeoutException) { continue } // an upstream without credits is quiet
                 if (m.type != MsgType.HIDDEN_STATE) {
@@ -276,9 +294,15 @@ class InboundLink(
         trySend(Messages.credit(n, microBatch))
     }
 
+    /** This stage's last CHECKPOINT_COMMITTED, re-announced on every new upstream connection. */
+    @Volatile var lastCommit: Message? = null
+
     /** Tell the upstream that windows <= [window] are durably used: it may prune them. */
-    fun committed(window: Long, step: Long, sha256: String) =
-        trySend(Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf("window" to window, "step" to step, "sha256" to sha256)))
+    fun committed(window: Long, step: Long, sha256: String) {
+        val m = Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf("window" to window, "step" to step, "sha256" to sha256))
+        lastCommit = m
+        trySend(m)
+    }
 
     private fun trySend(m: Message) {
         val w = writer ?: return

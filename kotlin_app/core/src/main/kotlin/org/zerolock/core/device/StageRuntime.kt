@@ -127,9 +127,19 @@ class StageRuntime(
         })
     val outbound: OutboundLink? = assignment.downstreamToken?.let { token ->
         OutboundLink("stage${assignment.stage}-out", token, assignment.windowSize, assignment.replayHorizon,
-            onError = { reportError(it) }, log = log).also { it.setAddress(assignment.downstream) }
+            onError = { reportError(it) }, log = log,
+            store = ReplayStore(File(checkpointDir, "stage${assignment.stage}-${assignment.runId}.replay")),
+            firstMb = nextMicroBatch).also { it.setAddress(assignment.downstream) }
     }
     val dataPort: Int get() = inbound.port
+
+    init {
+        // a restarted stage re-announces its restored commit to each new upstream, as zl_mobile does
+        if (trainer.lastCommittedWindow >= 0 && checkpointFile.isFile) {
+            inbound.lastCommit = Message(MsgType.CHECKPOINT_COMMITTED, linkedMapOf("window" to trainer.lastCommittedWindow,
+                "step" to trainer.optimizerSteps, "sha256" to Handshake.hex(MessageDigest.getInstance("SHA-256").digest(checkpointFile.readBytes()))))
+        }
+    }
     /** The program's input "alpha", [1] float32 as zl_mobile's Stage.alpha: config.alpha, else the export's. */
     private val alpha: Tensor? = (assignment.alpha ?: runner.alpha)?.let { Tensor.ofFloats(floatArrayOf(it.toFloat()), 1) }
 
@@ -204,7 +214,9 @@ class StageRuntime(
         val t1 = System.nanoTime()
         activeNs += t1 - t0
         // early forwarding: h_k goes into the replay buffer and out as soon as a credit allows
-        outbound?.publish(Messages.hiddenState(mb, w, p1.h, m.tensors.filterKeys { it != "h" }))
+        val hidden = Messages.hiddenState(mb, w, p1.h, m.tensors.filterKeys { it != "h" })
+        outbound?.publish(hidden)
+        outbound?.persist(hidden) // on disk too, for a restart of this stage (after it is handed to the sender)
         val timing = linkedMapOf<String, Any?>("schedule" to schedule, "phase1_start" to epochS(t0), "phase1_end" to epochS(t1),
             "published" to epochS(System.nanoTime()))
         var taskLoss: Double? = null
@@ -244,6 +256,7 @@ class StageRuntime(
     /** The window's step and checkpoint, its `window` record, then CHECKPOINT_COMMITTED (host and upstream). */
     private fun endWindow() {
         val t0 = System.nanoTime()
+        outbound?.sync() // the window's hidden states are durable before its commit covers them
         val cw = trainer.commitWindow()
         val sha = Handshake.hex(MessageDigest.getInstance("SHA-256").digest(checkpointFile.readBytes()))
         val stepNs = System.nanoTime() - t0
