@@ -104,9 +104,10 @@ def synthetic_prompts(tok, data: str, n: int):
 class LlamaCpp:
     """llama.cpp on one GGUF (with an adapter or not): logits at the last prompt position, greedy answers."""
 
-    def __init__(self, llama_cpp, model: Path, lora: Path | None = None, n_ctx: int = 256):
+    def __init__(self, llama_cpp, model: Path, lora: Path | None = None, n_ctx: int = 256, threads: int = 1):
+        # threads: ggml's workers spin at barriers, so on a loaded machine 1 thread beats 2 by far
         self.llm = llama_cpp.Llama(model_path=str(model), lora_path=str(lora) if lora else None, n_ctx=n_ctx,
-                                   logits_all=True, n_threads=os.cpu_count(), verbose=False, seed=0)
+                                   logits_all=True, n_threads=threads, verbose=False, seed=0)
 
     def logits(self, ids: list[int]) -> np.ndarray:
         self.llm.reset()
@@ -178,6 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--no-merged", action="store_true", help="skip the merged GGUF")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp threads (1 on a busy machine)")
     p.add_argument("--out", default=str(ROOT / "bench/results/llama_cpp_adapter.json"))
     a = p.parse_args(argv)
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -217,10 +219,12 @@ def main(argv=None) -> int:
         merged = write_merged_gguf(merged_model(adapter, base, lora), base, program and program / "tokenizer",
                                    out_dir / "merged.gguf")
         gguf_files["merged"] = (merged, None)
+    print(f"peft done ({time.time() - t0:.0f} s)", flush=True)
     for name, (model, lora) in gguf_files.items():
-        ll = LlamaCpp(llama_cpp, model, lora)
+        ll = LlamaCpp(llama_cpp, model, lora, threads=a.threads)
         sides[name] = ([ll.logits(ids) for ids, _ in prompts], [ll.greedy(ids, a.new_tokens, eos) for ids, _ in prompts])
         del ll
+        print(f"{name} done ({time.time() - t0:.0f} s)", flush=True)
 
     def acc(name):  # greedy answer starts with the expected label word (the answer's first token)
         return sum(ans[:1] == exp[:1] for ans, (_, exp) in zip(sides[name][1], prompts)) / len(prompts)
