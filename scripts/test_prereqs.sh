@@ -4,6 +4,7 @@
 #   junit5       the Kotlin core's JVM tests (kotlin_app/run_tests.sh: JUnit's console launcher)
 #   wordnet-base tests/test_wordnet.py and --data wordnet (WordNet's noun glosses)
 #   npm          kotlin_app/run_tests.sh installs the Kotlin compiler from npm's kotlin-compiler
+#   g++, openjdk-17-jdk-headless (jni.h)  kotlin_app/run_tests.sh builds the JNI bridge (kotlin_app/jni)
 # Installed with apt-get when missing (needs root); without root, one line names what to install.
 set -euo pipefail
 need=()
@@ -11,6 +12,8 @@ command -v adb >/dev/null || need+=(adb)
 [ -f /usr/share/java/junit-platform-console-standalone.jar ] || need+=(junit5)
 [ -f "${WNSEARCHDIR:-/usr/share/wordnet}/data.noun" ] || need+=(wordnet-base)
 command -v npm >/dev/null || [ -x kotlin_app/.tools/node_modules/kotlin-compiler/bin/kotlinc ] || need+=(npm)
+command -v g++ >/dev/null || need+=(g++)  # kotlin_app/jni: the Kotlin phones' ExecuTorch bridge
+ls /usr/lib/jvm/*/include/jni.h >/dev/null 2>&1 || need+=(openjdk-17-jdk-headless)  # its jni.h
 [ ${#need[@]} = 0 ] && exit 0
 if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
   echo "scripts/test_prereqs.sh: the tests need Debian's ${need[*]}: run 'sudo apt-get install ${need[*]}' (or this script as root)" >&2

@@ -19,6 +19,9 @@ ET="$("$PY" -c 'import importlib.util as u; s = u.find_spec("executorch"); print
 [ -n "$ET" ] && [ -f "$ET/lib/libexecutorch.so" ] && [ -d "$ET/include/executorch" ] ||
   die "the executorch wheel in $PY has no lib/libexecutorch.so or include/: pip install executorch==1.5.1 (scripts/setup.sh)"
 JAVA_HOME="${JAVA_HOME:-$(dirname "$(dirname "$(readlink -f "$(command -v java)")")")}"
+if [ ! -f "$JAVA_HOME/include/jni.h" ]; then  # a JRE on PATH: any JDK's jni.h does (JNI is stable)
+  for j in /usr/lib/jvm/*/include/jni.h; do [ -f "$j" ] && { JAVA_HOME="$(dirname "$(dirname "$j")")"; break; }; done
+fi
 [ -f "$JAVA_HOME/include/jni.h" ] || die "no jni.h under $JAVA_HOME/include: install a full JDK (apt-get install -y openjdk-17-jdk-headless) or set JAVA_HOME"
 
 SO="$OUT/libzl_executorch.so"
