@@ -219,3 +219,11 @@ def test_int8_linears_lower_to_xnnpack_quantized_gemms_equal_to_eager():
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     # a program that skipped the activation quantization would be told apart
     assert (weight_only - want).abs().max() > 20 * (got - want).abs().max()
+
+
+def test_cli_refuses_int8_base_weights_on_the_portable_backend(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "exporter.cli", "--base-weights", "int8", "--backend", "portable",
+                        "--out", str(tmp_path / "x")], capture_output=True, text=True)
+    assert r.returncode != 0
+    assert "--base-weights int8 runs on XNNPACK's quantized GEMMs" in r.stderr and "--backend xnnpack" in r.stderr
+    assert not (tmp_path / "x").exists()
