@@ -86,7 +86,7 @@ def config_from_args(a) -> ExportConfig:
 
     targets = tuple(m.strip() for m in a.target_modules.split(",") if m.strip())
     check_target_modules(targets)
-    if a.base_weights == "int8" and a.backend == "portable":  # see ExportConfig.__post_init__
+    if a.base_weights == "int8" and a.backend == "portable":  # see exporter/dynamic_quant.py
         raise ExportError("--base-weights int8 runs on XNNPACK's quantized GEMMs, which --backend portable lacks: "
                           "use --backend xnnpack, or --base-weights fp32 with portable")
     return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, target_modules=targets,

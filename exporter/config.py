@@ -31,13 +31,6 @@ class ExportConfig:
     readout: str = "static"
     extra: dict = field(default_factory=dict)
 
-    def __post_init__(self):
-        if self.base_weights == "int8" and self.backend == "portable":
-            # int8 forward products are XNNPACK's quantized GEMM (dynamic_quant.py); ExecuTorch's
-            # portable runtime has no kernels for the quantized_decomposed ops they trace to
-            raise ValueError("--base-weights int8 runs on XNNPACK's quantized GEMMs, which --backend portable "
-                             "lacks: use --backend xnnpack, or --base-weights fp32 with portable")
-
     @property
     def readout_rows(self) -> int:
         return self.loss_positions or self.micro_batch * self.seq_len

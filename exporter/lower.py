@@ -122,7 +122,9 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     for ep in methods.values():
         fold_weight_transposes(ep)
         drop_identity_ops(ep)
-        use_quantized_gemms(ep)  # int8 base weights: forward products as XNNPACK's int8 GEMM
+        if use_quantized_gemms(ep) and backend != "xnnpack":  # int8 base weights: XNNPACK's int8 GEMM
+            raise ValueError("int8 base weights run on XNNPACK's quantized GEMMs, which the portable backend lacks "
+                             "(no quantized_decomposed kernels): use backend xnnpack, or fp32 base weights")
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
