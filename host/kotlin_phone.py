@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from .cli_error import CliError
-from .emulate import EmulatedPhone, EmulatorError
+from .emulated_phone import EmulatedPhone, EmulatorError
 
 ROOT = Path(__file__).resolve().parents[1]
 KOTLIN_APP = ROOT / "kotlin_app"

@@ -231,25 +231,20 @@ def train(cfg: RunConfig, job: Job, devices: Devices):
         devices.adb_events.append(view.on_event)
     from .tensorboard_log import RunEvents
 
-    board = None
+    listeners = [view.on_event]  # the live view, TensorBoard's events and, with a plan, its drift watch
 
     def on_event(kind, data):
-        view.on_event(kind, data)
-        board.on_event(kind, data)
-    watch = None
+        for listen in listeners:
+            listen(kind, data)
+    watch = board = co = None
     handles = devices.handles
-    co = None
     try:
         board = RunEvents(job.run_dir, job.manifest["export"]["micro_batch"])  # tensorboard --logdir runs, live
+        listeners.append(board.on_event)
         if job.plan is not None:
             from .plan_cli import drift_watch, order_by_plan
             watch = drift_watch(job.plan, cfg.drift_margin, job.settings.window_size, job.run_dir, say)
-
-            def view_and_watch(kind, data):
-                view.on_event(kind, data)
-                board.on_event(kind, data)
-                watch.on_event(kind, data)
-            on_event = view_and_watch
+            listeners.append(watch.on_event)
             handles = order_by_plan(handles, job.plan)  # the plan's phones in its stage order
         co = Coordinator(job.program, handles, job.train, job.settings, job.run_dir, run_id=job.run_id,
                          on_event=on_event, link_tokens=job.saved.get("link_tokens") if cfg.resume else None,

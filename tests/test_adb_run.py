@@ -125,7 +125,7 @@ class UsbPhone:
     """A zl-phone process (no mDNS: reachable only "over USB") behind an emulated adbd."""
 
     def __init__(self, root: Path, name: str, server_port: int, *, run_as: bool = True, staging: Path):
-        from host.emulate import EmulatedPhone
+        from host.emulated_phone import EmulatedPhone
 
         self.token = secrets.token_hex(32)
         self.phone = EmulatedPhone(name, root / name / "phone", self.token, ["--mdns", "none"]).start()
@@ -420,7 +420,7 @@ def test_mixed_usb_and_local_phones_with_protocol_fallback(adb_server, small_exp
     (forward only); the last phone's app is not debuggable, so its files go by FILE_* instead."""
     from tests.conftest import small_micro_batches
     from host.coordinator import Coordinator
-    from host.emulate import EmulatedPhone
+    from host.emulated_phone import EmulatedPhone
     from host.plan import RunSettings
 
     out = small_export[0]

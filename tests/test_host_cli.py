@@ -360,7 +360,7 @@ def test_a_zombie_is_not_alive_and_a_dying_phone_is_not_adopted(tmp_path):
     moment ago can still complete a connection in its backlog: neither is a phone to adopt."""
     import subprocess
 
-    from host.emulate import EmulatedPhone
+    from host.emulated_phone import EmulatedPhone
     from zl_mobile.processes import wait_gone
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from host.cli_error import CliError
-from host.emulate import EmulatorError, start_phones
+from host.emulate import start_phones
+from host.emulated_phone import EmulatorError
 from host.kotlin_phone import KotlinPhone, classpath, parse_runtimes
 from host.plan import RunSettings
 from tests.conftest import small_micro_batches

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from host import netns
-from host.emulate import EmulatedPhone
+from host.emulated_phone import EmulatedPhone
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 

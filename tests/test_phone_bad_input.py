@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from host.client import DeviceClient
-from host.emulate import EmulatedPhone
+from host.emulated_phone import EmulatedPhone
 from zl_mobile.connection import Connection, connect
 from zl_mobile.device import sha256_file
 from zl_mobile.protocol import (PREAUTH_MAX_FRAME, ConnectionClosed, ErrorCode, HostHandshake, Message, MsgType,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves, auth_request, wait_free
-from host.emulate import EmulatedPhone
+from host.emulated_phone import EmulatedPhone
 from zl_mobile.protocol import (PREAUTH_MAX_FRAME, ConnectionClosed, Message, MsgType, encode_message, new_token,
                                 recv_message, send_message)
 

@@ -13,7 +13,7 @@ import zlib
 import numpy as np
 import pytest
 
-from host.emulate import EmulatedPhone
+from host.emulated_phone import EmulatedPhone
 from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves
 from tests.test_phone_hostile import FAST, LimitedPhone, _flood, proc_stats, settled_stats
 from zl_mobile.connection import Connection, connect
