@@ -7,15 +7,7 @@ quarter of the bytes; LoRA, activations and all arithmetic stay fp32, as in QLoR
 computes (x @ q^T) * scale: the cast q -> fp32 is the only full-size temporary, one weight at a
 time, and it depends on weights alone, so the two-phase split recomputes it in phase 2 instead of
 saving it as an activation (graph_passes.sink_weight_only_nodes keeps each cast next to its use).
-In eager PyTorch, autograd would save that cast for the backward; _Int8LinearFn recomputes it.
-
-Forward products run as XNNPACK's dynamically quantized GEMM (QD8-F32-QC8W: the activations
-quantized to int8 per token on the fly, asymmetric, as XNNPACK does; exporter/dynamic_quant.py
-rewrites the traced products). So every forward x @ W^T here is fake_quant_tokens(x) @ q^T * scale,
-in eager PyTorch (the reference --verify judges programs on, and the eager backend) as in the
-program. The input gradient (g * scale) @ q stays an fp32 GEMM on q's cast, with the activation
-quantization passed straight through (its derivative taken as 1): a quantized transposed product
-would need a second, transposed int8 copy of every weight (docs/BENCHMARKS.md, Base weights)."""
+In eager PyTorch, autograd would save that cast for the backward; _Int8LinearFn recomputes it."""
 from __future__ import annotations
 
 import torch
@@ -23,20 +15,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import BASE_WEIGHTS
-
-
-def fake_quant_tokens(x: torch.Tensor) -> torch.Tensor:
-    """x rounded to what XNNPACK's dynamic quantization gives its int8 GEMM: per row of the last
-    dim, asymmetric int8 [-128, 127], the scale and zero point as in
-    quantized_decomposed.choose_qparams_per_token_asymmetric (which follows XNNPACK's). Computed
-    in x's dtype, so --verify's float64 reference rounds the same way."""
-    lo = x.amin(dim=-1, keepdim=True).clamp(max=0)
-    hi = x.amax(dim=-1, keepdim=True).clamp(min=0)
-    scale = ((hi - lo) / 255.0).clamp(min=torch.finfo(torch.float32).eps)
-    zmin, zmax = lo / scale, hi / scale
-    zp = torch.where((-128 + zmin) + (127 + zmax) > 0, -128 - zmin, 127 - zmax).clamp(-128, 127).round()
-    q = (x * (1.0 / scale) + zp).round().clamp(-128, 127)
-    return (q - zp) * scale
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,13 +25,12 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class _Int8LinearFn(torch.autograd.Function):
-    """(fake_quant_tokens(x) @ q^T) * scale, whose backward casts q again instead of keeping an
-    fp32 copy, and passes the activation quantization straight through."""
+    """(x @ q^T) * scale, whose backward casts q again instead of keeping an fp32 copy."""
 
     @staticmethod
     def forward(ctx, x, q, scale):
         ctx.save_for_backward(q, scale)  # weights: saving them holds no new memory
-        return F.linear(fake_quant_tokens(x), q.to(x.dtype)) * scale
+        return F.linear(x, q.to(x.dtype)) * scale
 
     @staticmethod
     def backward(ctx, g):
@@ -63,7 +40,6 @@ class _Int8LinearFn(torch.autograd.Function):
 
 def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     if torch.compiler.is_exporting():  # traced as plain ops; the joint graph differentiates them
-        # (dynamic_quant.use_quantized_gemms turns the forward product into XNNPACK's int8 GEMM)
         y = F.linear(x, q.to(x.dtype)) * scale
     else:
         y = _Int8LinearFn.apply(x, q, scale)
@@ -127,7 +103,8 @@ def quantize_base(model, base_weights: str) -> int:
 def linear(x: torch.Tensor, w) -> torch.Tensor:
     """x @ W^T for a frozen W given as an fp32 tensor or (int8 rows, row scales)."""
     if isinstance(w, tuple):
-        return int8_linear(x, *w)
+        q, scale = w
+        return F.linear(x, q.to(x.dtype)) * scale
     return F.linear(x, w)
 
 

@@ -86,9 +86,6 @@ def config_from_args(a) -> ExportConfig:
 
     targets = tuple(m.strip() for m in a.target_modules.split(",") if m.strip())
     check_target_modules(targets)
-    if a.base_weights == "int8" and a.backend == "portable":  # see exporter/dynamic_quant.py
-        raise ExportError("--base-weights int8 runs on XNNPACK's quantized GEMMs, which --backend portable lacks: "
-                          "use --backend xnnpack, or --base-weights fp32 with portable")
     return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, target_modules=targets,
                         alpha=a.alpha, seq_len=a.seq_len, micro_batch=a.micro_batch,
                         loss_positions=a.loss_positions, backend=a.backend, seed=a.seed,

@@ -8,7 +8,6 @@ import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
-from .dynamic_quant import use_quantized_gemms
 from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes
 from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
 from .partition_sort import sort_partitions_once
@@ -122,9 +121,6 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     for ep in methods.values():
         fold_weight_transposes(ep)
         drop_identity_ops(ep)
-        if use_quantized_gemms(ep) and backend != "xnnpack":  # int8 base weights: XNNPACK's int8 GEMM
-            raise ValueError("int8 base weights run on XNNPACK's quantized GEMMs, which the portable backend lacks "
-                             "(no quantized_decomposed kernels): use backend xnnpack, or fp32 base weights")
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
