@@ -15,7 +15,7 @@ import pytest
 
 from host.emulated_phone import EmulatedPhone
 from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves
-from tests.test_phone_hostile import FAST, LimitedPhone, _flood, proc_stats, settled_stats
+from tests.test_phone_hostile import FAST, LimitedPhone, _flood, proc_stats, serving_phone, settled_stats
 from zl_mobile.connection import Connection, connect
 from zl_mobile.protocol import (ConnectionClosed, Message, MsgType, ProtocolError, encode_message, host_handshake,
                                 new_token)
@@ -24,13 +24,7 @@ from zl_mobile.protocol.frames import encode_header
 
 @pytest.fixture(scope="module")
 def phone(tmp_path_factory):
-    p = EmulatedPhone("longlived", tmp_path_factory.mktemp("longlived") / "phone", new_token(), FAST).start()
-    yield p
-    try:
-        assert p.alive(), f"the phone process died; see {p.log_path}"
-        assert "Traceback" not in p.log_path.read_text(), p.log_path.read_text()
-    finally:
-        p.stop()
+    yield from serving_phone(tmp_path_factory, "longlived")
 
 
 @pytest.fixture(scope="module")

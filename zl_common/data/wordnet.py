@@ -120,15 +120,16 @@ def wordnet_splits(directory: Path | str | None = None, categories: dict[str, st
     return out
 
 
-def parse_spec(spec: str) -> str | None:
-    """``wordnet`` -> "train", ``wordnet:SPLIT`` -> SPLIT; None for anything else."""
-    if spec == "wordnet":
+def parse_spec(spec: str, name: str = "wordnet") -> str | None:
+    """``NAME`` -> "train", ``NAME:SPLIT`` -> SPLIT; None for anything else (NAME: wordnet, or a
+    task built on the same splits, such as wordnet-reverse)."""
+    if spec == name:
         return "train"
-    if spec.startswith("wordnet:"):
+    if spec.startswith(name + ":"):
         split = spec.split(":", 1)[1]
         if split not in SPLITS:
-            raise DataError(f"unknown WordNet split {split!r} in --data {spec}; use wordnet, wordnet:validation "
-                            f"or wordnet:test")
+            raise DataError(f"unknown WordNet split {split!r} in --data {spec}; use {name}, {name}:validation "
+                            f"or {name}:test")
         return split
     return None
 

@@ -22,7 +22,7 @@ from collections import Counter
 from pathlib import Path
 
 from .examples import DataError, LoadedExamples
-from .wordnet import _FIX, LEXNAMES, SPLIT_FRACTIONS, SPLITS, clean_gloss, wordnet_dir
+from .wordnet import _FIX, LEXNAMES, SPLIT_FRACTIONS, SPLITS, clean_gloss, parse_spec, wordnet_dir
 
 NAME = "wordnet-reverse"
 MAX_WORDS = 2
@@ -110,18 +110,5 @@ def reverse_splits(directory: Path | str | None = None, categories=None,
             for s in SPLITS}
 
 
-def parse_spec(spec: str) -> str | None:
-    """``wordnet-reverse`` -> "train", ``wordnet-reverse:SPLIT`` -> SPLIT; None for anything else."""
-    if spec == NAME:
-        return "train"
-    if spec.startswith(NAME + ":"):
-        split = spec.split(":", 1)[1]
-        if split not in SPLITS:
-            raise DataError(f"unknown split {split!r} in --data {spec}; use {NAME}, {NAME}:validation or "
-                            f"{NAME}:test")
-        return split
-    return None
-
-
 def load_wordnet_reverse(spec: str = NAME, seed: int = 0) -> LoadedExamples:
-    return reverse_splits(seed=seed)[parse_spec(spec) or "train"]
+    return reverse_splits(seed=seed)[parse_spec(spec, NAME) or "train"]
