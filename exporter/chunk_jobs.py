@@ -109,7 +109,10 @@ def run_chunk_jobs(n: int, work, jobs: int, say) -> list:
                 p.terminate()  # a failure or Ctrl-C: what the others are doing is not needed
             conn.close()
         for p, _, _ in workers:
-            p.join()
+            p.join(timeout=None if finished else 10)
+            if p.is_alive():  # deaf to SIGTERM (a handler it inherited) and to EOF (a sibling holds its pipe)
+                p.kill()
+                p.join()
 
 
 def _assign(w, pending: list) -> None:

@@ -105,9 +105,11 @@ def main(argv=None) -> int:
     import signal
     import threading
 
+    previous = None
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the temporary folder is removed
-        signal.signal(signal.SIGTERM, _interrupt)
+        # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the temporary folder is removed;
+        # put back at the end: a caller's process (and the export workers it forks later) keeps its own
+        previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         cfg = config_from_args(args)
         from .export import export_model  # heavy imports after argument checks
@@ -156,6 +158,9 @@ def main(argv=None) -> int:
             console.print(f"zl-export: error: {e}", style="red", markup=False)
             return 2
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt(signum, frame):
