@@ -104,22 +104,27 @@ def raw_frame(msg_type: int, meta: dict, *, version: int = 1, flags: int = 0) ->
         struct.pack("<I", zlib.crc32(body))
 
 
+def handshake_when_free(endpoint: str, token: str, host_name: str):
+    """(socket, HELLO) of an authenticated connection; BUSY is retried: the slot of a session or
+    link closed just before is released asynchronously by the phone."""
+    deadline = time.time() + TIMEOUT
+    while True:
+        sock = connect(endpoint, timeout=TIMEOUT)
+        sock.settimeout(TIMEOUT)
+        try:
+            return sock, host_handshake(sock, token, host_name=host_name)
+        except ProtocolError as e:
+            sock.close()
+            if e.code != ErrorCode.BUSY or time.time() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Session:
     """An authenticated host session over a raw Connection (the device's own heartbeats skipped)."""
 
     def __init__(self, phone, token: str | None = None):
-        deadline = time.time() + TIMEOUT
-        while True:  # the slot of a session closed just before is released asynchronously
-            sock = connect(phone.endpoint, timeout=TIMEOUT)
-            sock.settimeout(TIMEOUT)
-            try:
-                self.hello = host_handshake(sock, token or phone.token, host_name="test-host")
-                break
-            except ProtocolError as e:
-                sock.close()
-                if e.code != ErrorCode.BUSY or time.time() > deadline:
-                    raise
-                time.sleep(0.05)
+        sock, self.hello = handshake_when_free(phone.endpoint, token or phone.token, "test-host")
         self.sock = sock
         self.conn = Connection(sock)
 

@@ -13,12 +13,10 @@ import zlib
 import numpy as np
 import pytest
 
-from host.emulated_phone import EmulatedPhone
-from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves
-from tests.test_phone_hostile import FAST, LimitedPhone, _flood, proc_stats, serving_phone, settled_stats
-from zl_mobile.connection import Connection, connect
-from zl_mobile.protocol import (ConnectionClosed, Message, MsgType, ProtocolError, encode_message, host_handshake,
-                                new_token)
+from tests.test_phone_bad_input import TIMEOUT, Session, _seq, _sha, assert_serves, handshake_when_free
+from tests.test_phone_hostile import proc_stats, serving_phone, settled_stats
+from zl_mobile.connection import Connection
+from zl_mobile.protocol import ConnectionClosed, Message, MsgType, ProtocolError, encode_message, new_token
 from zl_mobile.protocol.frames import encode_header
 
 
@@ -119,9 +117,7 @@ class Link:
     initial CREDIT (if any)."""
 
     def __init__(self, port: int, token: str):
-        self.sock = connect(f"127.0.0.1:{port}", timeout=TIMEOUT)
-        self.sock.settimeout(TIMEOUT)
-        host_handshake(self.sock, token, host_name="test-upstream")
+        self.sock, _ = handshake_when_free(f"127.0.0.1:{port}", token, "test-upstream")
         self.conn = Connection(self.sock)
         first = self.conn.recv()
         assert first.type == MsgType.REPLAY_REQUEST, first

@@ -11,7 +11,6 @@ from bench.quality_tasks import exact_match
 from exporter.model_source import build_tiny_model
 from exporter.tiny_tokenizer import build_tiny_tokenizer
 from zl_common.data import DataError, encode_examples, load_examples
-from zl_common.data.wordnet import DEFAULT_DIR
 from zl_common.data.wordnet_reverse import read_reverse_pairs, reverse_splits
 
 # offset lexfile n w_cnt lemma lex_id ... | gloss   (05 animal, 13 food, 20 plant)
@@ -111,7 +110,6 @@ def test_exact_match_is_the_same_alone_and_left_padded_in_a_batch():
     assert hit["exact_match"] == (1.0 if wrote else 0.0)
 
 
-@pytest.mark.skipif(not (Path(DEFAULT_DIR) / "index.noun").is_file(), reason="wordnet-base not installed")
 def test_the_real_wordnet_database():
     s = reverse_splits()
     assert len(s["train"]) > 6000 and len(s["validation"]) > 500 and len(s["test"]) > 500

@@ -14,7 +14,10 @@ from .frames import (DEFAULT_MAX_FRAME, HEADER_SIZE, TRAILER_SIZE, decode_body, 
 from .messages import Message
 
 SEND_CHUNK = 64 << 10
-FIRST_BODY_BUF = 64 << 10  # what a frame's body buffer starts at; it doubles as bytes arrive
+# what a frame's body buffer starts at; it doubles as bytes arrive. 1 MiB: a hidden state of a
+# small model fits at once, a large one takes a few doublings, and a header that declares much and
+# sends nothing commits 1 MiB, not what it declared
+FIRST_BODY_BUF = 1 << 20
 
 
 class Limiter(Protocol):
@@ -143,8 +146,8 @@ def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, dea
     _recv_exact(sock, memoryview(head_buf), "header", first=True, deadline=deadline, stall_s=stall_s)
     head = parse_header(head_buf, max_frame)
     need = head.body_len + TRAILER_SIZE
-    # the buffer grows with the bytes that arrive (doubling, from 64 KiB): a header that declares
-    # 256 MiB and then sends nothing commits 64 KiB, not 256 MiB zeroed before the first body byte
+    # the buffer grows with the bytes that arrive (doubling, from FIRST_BODY_BUF): a header that
+    # declares 256 MiB and then sends nothing does not get 256 MiB zeroed before the first body byte
     rest = bytearray(min(need, FIRST_BODY_BUF))
     got = 0
     while True:
