@@ -92,6 +92,8 @@ def _send(sock: socket.socket, data, limiter: Limiter | None) -> None:
 
 
 def _readable(sock: socket.socket, seconds: float) -> bool:
+    if sock.fileno() < 0:  # closed by another thread (a link shutting down) while this one read
+        raise ConnectionClosed("the connection was closed locally")
     p = select.poll()  # not select(): a phone may hold descriptors above FD_SETSIZE
     p.register(sock, select.POLLIN | select.POLLPRI)
     return bool(p.poll(seconds * 1000))
