@@ -32,6 +32,13 @@ interface ChunkRunner {
      * input "alpha" unless STAGE_ASSIGN's config.alpha overrides it. null: none.
      */
     val alpha: Double? get() = null
+    /**
+     * Elements of the tensors a stage link carries for this chunk, as zl_mobile's
+     * Stage._link_elements: its data inputs (h or token ids, masks, positions; not the LoRA
+     * weights) plus its output h. The stage bounds both links' frames by
+     * [org.zerolock.core.LinkRules.linkFrameLimit] of it. null: unknown (the default limit).
+     */
+    val linkElements: Long? get() = null
     fun initialLora(): Map<String, FloatArray>
     /** [batch]: the HIDDEN_STATE tensors ("h" = h_{k-1}, plus labels/mask...), loss_index/target/weight and alpha. */
     fun phase1(batch: Map<String, Tensor>, lora: Map<String, FloatArray>): Phase1Result
@@ -134,6 +141,12 @@ class ManifestChunkRunner(
         }
     }
 
+    /** Every phase-1 input but the LoRA tensors, plus h_out (null if the manifest omits a shape). */
+    override val linkElements: Long? = run {
+        val shapes = p1In.filter { it.name !in loraShapes }.map { it.shape } + p1Out.take(1).map { it.shape }
+        if (shapes.any { it == null }) null else shapes.sumOf { s -> s!!.fold(1L) { a, b -> a * b } }
+    }
+
     private val phase2Names = p2In.map { it.name }.toSet()
     /** The input HIDDEN_STATE's "h" feeds: h_in, or input_ids for the first chunk (manifest `first_input`). */
     private val firstInput = chunk["first_input"] as? String ?: "h_in"
@@ -216,7 +229,10 @@ class ManifestChunkRunner(
  * scalar "LoRA" parameters a, b, and the loss 0.5 * mean((h_k - target)^2) with target 0.
  * Gradients are exact, so training visibly lowers the loss.
  */
-class AffineChunkRunner : ChunkRunner {
+class AffineChunkRunner(
+    /** What its links may carry ([ChunkRunner.linkElements]); tests set it to bound the links' frames. */
+    override val linkElements: Long? = null,
+) : ChunkRunner {
     override val loraShapes = linkedMapOf("a" to longArrayOf(1), "b" to longArrayOf(1))
     override fun initialLora(): Map<String, FloatArray> = linkedMapOf("a" to floatArrayOf(0f), "b" to floatArrayOf(0.5f))
 

@@ -13,6 +13,7 @@ import org.zerolock.core.UpdateWindows
 import org.zerolock.core.WindowTelemetry
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.FrameWriter
+import org.zerolock.core.protocol.Frames
 import org.zerolock.core.protocol.Handshake
 import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.Messages
@@ -118,16 +119,19 @@ class StageRuntime(
     val committedWindow: Long get() = trainer.lastCommittedWindow
 
     val queue = InboundQueue<Message>()
+    /** What a peer may declare in a frame on either link: what this chunk's HIDDEN_STATE (or a
+     *  GRADIENT) can need, as zl_mobile's Stage; more is OVERSIZED before anything is allocated. */
+    val linkMaxFrame: Long = runner.linkElements?.let { org.zerolock.core.LinkRules.linkFrameLimit(it) } ?: Frames.DEFAULT_MAX_FRAME
     val inbound = InboundLink(
         "stage${assignment.stage}-in", assignment.upstreamToken!!, queue, assignment.inflightDepth,
         nextNeeded = { queue.nextAfter(nextMicroBatch) }, port = assignment.listenPort ?: 0, bind = bind, log = log,
-        listener = dataListener, unusable = { m ->
+        listener = dataListener, maxFrame = linkMaxFrame, unusable = { m ->
             org.zerolock.core.LinkRules.unusable(m.long("micro_batch"), m.long("window"), nextMicroBatch,
                 assignment.inflightDepth, assignment.windowSize, assignment.totalMicroBatches)
         })
     val outbound: OutboundLink? = assignment.downstreamToken?.let { token ->
         OutboundLink("stage${assignment.stage}-out", token, assignment.windowSize, assignment.replayHorizon,
-            onError = { reportError(it) }, log = log,
+            onError = { reportError(it) }, log = log, maxFrame = linkMaxFrame,
             store = ReplayStore(File(checkpointDir, "stage${assignment.stage}-${assignment.runId}.replay")),
             firstMb = nextMicroBatch).also { it.setAddress(assignment.downstream) }
     }
