@@ -209,6 +209,54 @@ def test_programs_carry_the_metadata_androids_training_module_reads(small_export
                 assert set(fqn) == (lora if method == "phase2" else set()), (entry["program"], method)
 
 
+def test_the_android_training_module_route_runs_the_programs_as_the_phone_does(small_export):
+    """Issue 30, item 5: on Android a .pte + .ptd loads only through TrainingModule, so ChunkProgram.kt
+    runs each method as executeForwardBackward(m) (the outputs before the gradients) and takes the
+    rest by name from namedGradients(m) ("grad:<name>" in the manifest, "<name>" in ExecuTorch).
+    That route, through ExecuTorch's own TrainingModule (its binding reads the same metadata methods
+    as the C++ class the Java one wraps), gives every output of phase 1 and phase 2, in the
+    manifest's order, bit for bit as the phone's direct method calls do, and the step trains."""
+    from executorch.extension.pybindings.portable_lib import _load_for_executorch
+    from executorch.extension.training.pybindings._training_module import TrainingModule
+
+    from zl_common.program import ChunkProgram as DirectProgram, NamedMethods
+
+    class AndroidRoute(NamedMethods):  # ChunkProgram.kt's run(), line for line
+        def __init__(self, export_dir, chunk):
+            super().__init__(chunk)
+            module = _load_for_executorch(str(export_dir / chunk["program"]), data_path=str(export_dir / chunk["weights"]))
+            self.training = TrainingModule(module)
+
+        def run(self, method, values):
+            output_names = [o["name"] for o in self.methods[method]["outputs"]]
+            user = self.training.forward_backward(method, list(self._args(method, values)))
+            if len(user) < len(output_names):
+                grads = self.training.named_gradients()
+                user = [*user, *(grads[n.removeprefix("grad:")] for n in output_names[len(user):])]
+            assert len(user) == len(output_names), (method, len(user), output_names)
+            return dict(zip(output_names, user))
+
+    def fill(program, method, values, g):  # what a step gets from elsewhere (BP: a probe, the upstream's gradient)
+        dtypes = {"float32": torch.float32, "int64": torch.long}
+        return values | {i["name"]: torch.randn(i["shape"], generator=g).to(dtypes[i["dtype"]])
+                         for i in program.input_spec(method) if i["name"] not in values}
+
+    out, manifest, artifacts, cfg = small_export
+    for chunk, art in zip(manifest["chunks"], artifacts):
+        for entry in (chunk, {**chunk, **chunk["bp"]}):  # ZeroLock's programs and backprop's
+            batch = dict(zip(input_names(art.chunk.is_first), example_inputs(art.chunk, cfg, 512, 64, seed=7)))
+            android, direct = AndroidRoute(out, entry), DirectProgram(out, entry)
+            values = fill(direct, "phase1", batch | sample_lora(entry, seed=8), torch.Generator().manual_seed(8))
+            saved_a, saved_d = android.run("phase1", values), direct.run("phase1", values)
+            assert list(saved_a) == list(saved_d)
+            assert all(torch.equal(saved_a[n], saved_d[n]) for n in saved_d), entry["program"]
+            values = fill(direct, "phase2", values | saved_d, torch.Generator().manual_seed(9))
+            res_a, res_d = android.run("phase2", values), direct.run("phase2", values)
+            assert list(res_a) == list(res_d) and {f"grad:{n}" for n in android.lora_names} <= res_a.keys()
+            assert all(torch.equal(res_a[n], res_d[n]) for n in res_d), entry["program"]
+            assert any(res_a[f"grad:{n}"].abs().sum() > 0 for n in android.lora_names)
+
+
 def test_training_metadata_refuses_gradients_that_are_not_last():
     from exporter.training_metadata import training_constant_methods
 
