@@ -1,7 +1,8 @@
 """The link rules of docs/PROTOCOL.md 5.4.1, checked on the Python reference (zl_mobile/links.py)
 against the scenarios of tests/vectors/link_rules/link_rules.json. The Kotlin core passes the same
 file (kotlin_app/core/src/test/kotlin/org/zerolock/core/LinkRulesTest.kt), so both sides keep the
-same replay buffer, resume point, credits and horizon (backpressure) rules.
+same replay buffer, resume point, credits and horizon (backpressure) rules, and refuse the same
+hidden states (beyond the credits, or unusable by the stage).
 
 The Python links are driven over loopback TCP with only their public surface: the test plays the
 downstream stage of an OutboundLink (accepts it, sends REPLAY_REQUEST / CREDIT /
@@ -17,9 +18,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zl_mobile.links import NO_END, InboundLink, InboundQueue, OutboundLink
-from zl_mobile.protocol import (ConnectionClosed, DeviceAuth, Message, MsgType, host_handshake, new_token,
-                                recv_message, send_message, device_handshake)
+from zl_mobile.links import NO_END, InboundLink, InboundQueue, OutboundLink, unusable_reason
+from zl_mobile.protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError, host_handshake,
+                                new_token, recv_message, send_message, device_handshake)
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "link_rules" / "link_rules.json").read_text())
 TIMEOUT = 10.0
@@ -182,6 +183,89 @@ def test_inbound_link_greeting(case):
                 credit = recv_message(s)
                 assert credit.type == MsgType.CREDIT and credit["credits"] == case["initial_credit"]
     finally:
+        link.close()
+
+
+class Upstream:
+    """The upstream end of one InboundLink connection: authenticates with the link's token (BUSY
+    while the previous connection's slot is still being freed), reads the greeting."""
+
+    def __init__(self, port: int, token: str):
+        end = time.time() + TIMEOUT
+        while True:
+            self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
+            try:
+                host_handshake(self.sock, token, "upstream")
+                break
+            except ProtocolError as e:
+                self.sock.close()
+                if e.code != ErrorCode.BUSY or time.time() > end:
+                    raise
+                time.sleep(0.02)
+        assert recv_message(self.sock).type == MsgType.REPLAY_REQUEST
+
+    def credit(self) -> int | None:
+        """The CREDIT the link sends next (None: it sends nothing)."""
+        self.sock.settimeout(0.3)
+        try:
+            msg = recv_message(self.sock)
+        except (socket.timeout, TimeoutError):
+            return None
+        finally:
+            self.sock.settimeout(TIMEOUT)
+        assert msg.type == MsgType.CREDIT, msg
+        return msg["credits"]
+
+
+@pytest.mark.parametrize("scenario", VECTORS["inbound"]["credits"], ids=[s["name"] for s in VECTORS["inbound"]["credits"]])
+def test_inbound_link_credits(scenario):
+    """PROTOCOL.md 5.4.1 on the real InboundLink: a HIDDEN_STATE beyond the credits, or one the stage
+    cannot use (unusable_reason, what Stage checks), is answered ERROR UNEXPECTED, is not kept, and
+    the link closes."""
+    token = new_token()
+    W, depth, total = scenario["window_size"], scenario["inflight_depth"], scenario["total_micro_batches"]
+    queue = InboundQueue()
+    stage = {"next": (scenario["committed_window"] + 1) * W}  # the micro-batch the stage needs next
+    link = InboundLink(scenario["link"], token, queue, inflight_depth=depth, port=0, bind="127.0.0.1",
+                       next_needed=lambda: queue.next_after(stage["next"]),
+                       unusable=lambda msg: unusable_reason(msg["micro_batch"], msg["window"], stage["next"],
+                                                            inflight_depth=depth, window_size=W, total=total))
+    up: Upstream | None = None
+    try:
+        for i, step in enumerate(scenario["steps"]):
+            where = f"{scenario['name']}, step {i} {step}"
+            op = step["do"]
+            if op == "connect":
+                if up is not None:
+                    up.sock.close()
+                up = Upstream(link.port, token)
+                assert up.credit() == step["credit"], where
+            elif op == "send":
+                mb = step["mb"]
+                send_message(up.sock, Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": step.get("window", mb // W)},
+                                              {"h": np.full((1, 2), mb, dtype=np.float32)}))
+                if "refused" in step:
+                    err = recv_message(up.sock)
+                    assert err.type == MsgType.ERROR and err["code"] == "UNEXPECTED", (where, err)
+                    assert err["message"] == step["refused"], where
+                    with pytest.raises((ConnectionClosed, ConnectionResetError)):
+                        recv_message(up.sock)
+                    up.sock.close()
+                    up = None
+            elif op == "take":
+                assert queue.take(step["mb"], timeout=TIMEOUT)["micro_batch"] == step["mb"], where
+                stage["next"] = step["mb"] + 1  # as the stage: its next before the credit goes out
+                link.grant(1)
+                assert up.credit() == step["credit"], where
+            else:
+                pytest.fail(f"unknown step in {where}")
+            if "queued" in step:
+                _wait(f"queued == {step['queued']} ({where}; have {queue.ids()})", lambda: queue.ids() == step["queued"])
+        if up is not None:  # nothing refused that the scenario did not expect
+            assert up.credit() is None
+    finally:
+        if up is not None:
+            up.sock.close()
         link.close()
 
 

@@ -105,6 +105,22 @@ def hidden_state_without_credit_message(mb: int, name: str) -> str:
             "credit granted (PROTOCOL.md 5.4.1); it was not kept")
 
 
+def unusable_reason(mb: int, window: int, next_mb: int, *, inflight_depth: int, window_size: int,
+                    total: int | None) -> str | None:
+    """Why a stage whose next micro-batch is `next_mb` can never use HIDDEN_STATE `mb` labelled
+    `window` (None: it can); the link refuses it before it is kept (PROTOCOL.md 5.4.1). Word for
+    word in the Kotlin core (LinkRules.unusable)."""
+    if mb < next_mb:
+        return f"this stage is past it (it needs {next_mb} next)"
+    if mb >= next_mb + 2 * inflight_depth:
+        return f"beyond what the {inflight_depth} credits allow from micro-batch {next_mb}, the next this stage needs"
+    if total is not None and mb >= total:
+        return f"the run has {total} micro-batches"
+    if window != mb // window_size:
+        return f"labelled window {window}, but window size {window_size} puts it in window {mb // window_size}"
+    return None
+
+
 def replay_unavailable_message(start: int, end: int, name: str, held_from: int) -> str:
     """Word for word in the Kotlin core (LinkRules.replayUnavailableMessage): the host shows it."""
     return (f"replay unavailable: micro-batches {start}-{end} needed downstream of {name} are no longer held "
@@ -407,6 +423,11 @@ class InboundQueue:
     def __len__(self) -> int:
         with self._cond:
             return len(self._items)
+
+    def ids(self) -> list[int]:
+        """The micro-batches queued, in order."""
+        with self._cond:
+            return sorted(self._items)
 
     def next_after(self, mb: int) -> int:
         """The first micro-batch not yet here, counting from `mb` (the resume point)."""

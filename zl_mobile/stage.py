@@ -23,7 +23,7 @@ import torch
 from .accumulate import WindowGradients
 from .adamw import AdamWConfig
 from .checkpoint import Checkpoint, CheckpointStore, restore_training_state
-from .links import STALL_S, InboundLink, InboundQueue, OutboundLink, link_frame_limit
+from .links import STALL_S, InboundLink, InboundQueue, OutboundLink, link_frame_limit, unusable_reason
 from zl_common.program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
@@ -160,17 +160,8 @@ class Stage:
     def _unusable(self, msg: Message) -> str | None:
         """Why the stage could never use this HIDDEN_STATE (None: it can). Checked as it arrives,
         so a peer cannot park frames the stage will never take, nor kill it with a bad label."""
-        mb, w, nxt = msg["micro_batch"], msg["window"], self.next_mb
-        if mb < nxt:
-            return f"this stage is past it (it needs {nxt} next)"
-        if mb >= nxt + 2 * self.cfg.inflight_depth:
-            return (f"beyond what the {self.cfg.inflight_depth} credits allow from micro-batch {nxt}, the next "
-                    "this stage needs")
-        if self.cfg.total_micro_batches is not None and mb >= self.cfg.total_micro_batches:
-            return f"the run has {self.cfg.total_micro_batches} micro-batches"
-        if w != mb // self.cfg.window_size:
-            return f"labelled window {w}, but window size {self.cfg.window_size} puts it in window {mb // self.cfg.window_size}"
-        return None
+        return unusable_reason(msg["micro_batch"], msg["window"], self.next_mb, inflight_depth=self.cfg.inflight_depth,
+                               window_size=self.cfg.window_size, total=self.cfg.total_micro_batches)
 
     def rewire(self, downstream: str | None) -> None:
         if self.outbound is not None:

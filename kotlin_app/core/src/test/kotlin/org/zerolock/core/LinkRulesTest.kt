@@ -9,7 +9,22 @@ import org.junit.jupiter.api.DynamicTest
 import org.junit.jupiter.api.Test
 import org.junit.jupiter.api.TestFactory
 import org.junit.jupiter.api.io.TempDir
+import org.zerolock.core.device.InboundLink
+import org.zerolock.core.protocol.ErrorCode
+import org.zerolock.core.protocol.FrameReader
+import org.zerolock.core.protocol.FrameWriter
+import org.zerolock.core.protocol.Frames
+import org.zerolock.core.protocol.Handshake
+import org.zerolock.core.protocol.Message
+import org.zerolock.core.protocol.Messages
+import org.zerolock.core.protocol.MsgType
+import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.Tensor
+import org.zerolock.core.protocol.hostHandshake
 import java.io.File
+import java.net.InetAddress
+import java.net.Socket
+import java.net.SocketTimeoutException
 
 /** tests/vectors/link_rules/link_rules.json: the scenarios the Python reference passes too. */
 class LinkRulesVectorsTest {
@@ -63,6 +78,106 @@ class LinkRulesVectorsTest {
             val resume = (c.long("committed_window") + 1) * c.long("window_size")
             assertEquals(c.long("replay_from"), q.nextAfter(resume))
             assertEquals((c["initial_credit"] as Number?)?.toLong(), LinkRules.initialCredit(c.long("inflight_depth").toInt(), q.size))
+        }
+    }
+
+    /** The upstream end of one connection to an [InboundLink] (BUSY while the last one's slot is freed). */
+    private class Upstream(port: Int, token: String) : AutoCloseable {
+        val s: Socket
+        val r: FrameReader
+        val w: FrameWriter
+        init {
+            val end = System.currentTimeMillis() + 10_000
+            while (true) {
+                val c = Socket(InetAddress.getLoopbackAddress(), port).also { it.soTimeout = 10_000 }
+                val cr = FrameReader(c.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
+                val cw = FrameWriter(c.getOutputStream().buffered())
+                try { hostHandshake(cr, cw, token, "upstream") } catch (e: ProtocolException) {
+                    c.close()
+                    if (e.code != ErrorCode.BUSY || System.currentTimeMillis() > end) throw e
+                    Thread.sleep(20)
+                    continue
+                }
+                s = c; r = cr; w = cw
+                break
+            }
+            r.maxFrame = Frames.DEFAULT_MAX_FRAME
+            assertEquals(MsgType.REPLAY_REQUEST, r.read().type)
+        }
+
+        /** The CREDIT the link sends next (null: nothing within 300 ms). */
+        fun credit(): Long? {
+            s.soTimeout = 300
+            val m = try { r.read() } catch (_: SocketTimeoutException) { return null } finally { s.soTimeout = 10_000 }
+            assertEquals(MsgType.CREDIT, m.type, m.toString())
+            return m.long("credits")
+        }
+
+        override fun close() = s.close()
+    }
+
+    /** PROTOCOL.md 5.4.1 on the real device.InboundLink: a HIDDEN_STATE beyond the credits, or one
+     *  the stage cannot use ([LinkRules.unusable], what StageRuntime checks), is answered ERROR
+     *  UNEXPECTED, is not kept, and the link closes. */
+    @Suppress("UNCHECKED_CAST")
+    @TestFactory
+    fun `inbound credits`(): List<DynamicTest> = ((v["inbound"].asObject())["credits"] as List<Any?>).map { sc ->
+        val s = sc.asObject()
+        DynamicTest.dynamicTest(s.str("name")) {
+            val token = Handshake.newToken()
+            val w = s.long("window_size").toInt()
+            val depth = s.long("inflight_depth").toInt()
+            val total = (s["total_micro_batches"] as Number?)?.toLong()
+            val queue = InboundQueue<Message>()
+            var next = (s.long("committed_window") + 1) * w // the micro-batch the stage needs next
+            val link = InboundLink(s.str("link"), token, queue, depth, nextNeeded = { queue.nextAfter(next) },
+                bind = InetAddress.getLoopbackAddress(),
+                unusable = { m -> LinkRules.unusable(m.long("micro_batch"), m.long("window"), next, depth, w, total) })
+            var up: Upstream? = null
+            try {
+                for ((i, st) in (s["steps"] as List<Any?>).withIndex()) {
+                    val step = st.asObject()
+                    val where = "${s.str("name")}, step $i $step"
+                    when (step.str("do")) {
+                        "connect" -> {
+                            up?.close()
+                            up = Upstream(link.port, token)
+                            assertEquals((step["credit"] as Number?)?.toLong(), up!!.credit(), where)
+                        }
+                        "send" -> {
+                            val mb = step.long("mb")
+                            val window = (step["window"] as Number?)?.toLong() ?: (mb / w)
+                            up!!.w.write(Messages.hiddenState(mb, window, Tensor.ofFloats(floatArrayOf(mb.toFloat(), mb.toFloat()), 1, 2)))
+                            (step["refused"] as String?)?.let { refused ->
+                                val e = up!!.r.read()
+                                assertEquals(MsgType.ERROR, e.type, "$where: $e")
+                                assertEquals("UNEXPECTED", e.string("code"), where)
+                                assertEquals(refused, e.string("message"), where)
+                                assertThrows<Exception> { up!!.r.read() } // the link closed
+                                up!!.close()
+                                up = null
+                            }
+                        }
+                        "take" -> {
+                            val mb = step.long("mb")
+                            assertEquals(mb, queue.take(mb, 10_000)?.long("micro_batch"), where)
+                            next = mb + 1 // as the stage: its next moves before the credit goes out
+                            link.grant(1)
+                            assertEquals((step["credit"] as Number?)?.toLong(), up!!.credit(), where)
+                        }
+                        else -> error("unknown step in $where")
+                    }
+                    step["queued"]?.let { want ->
+                        val end = System.currentTimeMillis() + 10_000
+                        while (queue.ids() != longs(want) && System.currentTimeMillis() < end) Thread.sleep(5)
+                        assertEquals(longs(want), queue.ids(), "queued: $where")
+                    }
+                }
+                up?.let { assertNull(it.credit(), "nothing refused that the scenario did not expect") }
+            } finally {
+                up?.close()
+                link.close()
+            }
         }
     }
 
