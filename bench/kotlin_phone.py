@@ -60,6 +60,9 @@ def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int,
                             "peak_pss_mib": peak / MiB,
                             "runtime_pss_mib": floor[0] / MiB if floor else None,
                             "over_floor_mib": (peak - floor[0]) / MiB if floor else None}
+    # the first window's losses come before any update: the same numbers on both runtimes (parity)
+    out["first_window_losses"] = {k: [r["loss"] for r in sorted((r for r in mb if r["stage"] == k and r["window"] == 0),
+                                                                 key=lambda r: r["micro_batch"])] for k in range(n)}
     last = [r for r in mb if r["stage"] == n - 1]
     t0 = min(r["phase1_start"] for r in last if r["window"] == 1) if any(r["window"] == 1 for r in last) else None
     t1 = max(r.get("phase2_end", r["phase1_end"]) for r in last)
@@ -130,6 +133,13 @@ def main(argv=None) -> int:
     summary["samples_per_s"] = tp
     print(f"pipeline throughput: python {tp['python']:.2f} samples/s, kotlin {tp['kotlin']:.2f} samples/s "
           f"({tp['kotlin'] / tp['python'] if tp['python'] else 0:.2f}x)")
+    first = {rt: runs[rt][0]["first_window_losses"] for rt in runs}
+    rel = max(abs(x - y) / max(abs(y), 1e-12) for k in range(n)
+              for x, y in zip(first["kotlin"][k], first["python"][k], strict=True))
+    summary["first_window_losses"], summary["first_window_max_rel_diff"] = first, rel
+    print("first window's losses per stage (python | kotlin): " + "; ".join(
+        f"stage {k} " + " ".join(f"{x:.6f}" for x in first["python"][k]) + " | " + " ".join(f"{x:.6f}" for x in first["kotlin"][k])
+        for k in range(n)) + f"; largest relative difference {rel:.1e}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(summary, indent=1))
     print(f"written {a.out}")

@@ -26,12 +26,14 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import bench.common  # noqa: E402,F401  (quiet libraries, SIGTERM unwinds)
 
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 WHEEL_DIR = ROOT / "bench/results/llama_cpp_work/wheel"  # git-ignored (bench/results/*_work/)
@@ -76,15 +78,17 @@ def synthetic_adapter(spec: str, out: Path, seed: int = 0, std: float = 0.05):
 
     base = smollm2_path() if spec == SMOLLM2 else Path(spec).absolute()
     model = load_base_model(str(base))
-    pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
-                                          lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
-                                          base_model_name_or_path=str(base)))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    pm.save_pretrained(str(out))
+    with warnings.catch_warnings():  # peft expects a HF directory: a GGUF base is renamed and has no config.json
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"peft(\.|$)")
+        pm = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                                              lora_dropout=0.0, bias="none", task_type="CAUSAL_LM",
+                                              base_model_name_or_path=str(base)))
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in pm.named_parameters():
+                if "lora_" in name:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
+        pm.save_pretrained(str(out))
     return base, out, load_gguf_tokenizer(base)
 
 
