@@ -12,13 +12,19 @@ class NsdAdvertiser(context: Context) {
     private val nsd = context.getSystemService(Context.NSD_SERVICE) as NsdManager
     private var listener: NsdManager.RegistrationListener? = null
 
-    fun register(port: Int, txt: ZeroLockTxt) {
+    /**
+     * Registers the service, or registers nothing and returns why (one line, for the status screen):
+     * a name that is not one DNS label of <= 63 bytes of UTF-8 without control characters
+     * (docs/PROTOCOL.md 10.2), by the core's rule, the one zl-phone and the host's TXT check apply.
+     * Dots are fine here: NsdManager writes the whole name as one label (NsdManager renames a taken
+     * one "NAME (2)" itself, as zl_mobile does).
+     */
+    fun register(port: Int, txt: ZeroLockTxt): String? {
         unregister()
-        // docs/PROTOCOL.md 10.2: the instance name is one DNS label of <= 63 bytes (NsdManager renames
-        // a taken one "NAME (2)" itself, as zl_mobile does)
-        ZeroLockService.instanceNameProblem(txt.name)?.let {
-            Log.w(TAG, "device name '${txt.name}' $it: not advertised over mDNS; choose a shorter name, or pair over adb")
-            return
+        ZeroLockService.instanceNameRefusal(txt.name)?.let {
+            val line = "$it: not advertised over mDNS; connect over adb or by address"
+            Log.w(TAG, line)
+            return line
         }
         val info = NsdServiceInfo().apply {
             serviceName = txt.name
@@ -35,6 +41,7 @@ class NsdAdvertiser(context: Context) {
         }
         listener = l
         nsd.registerService(info, NsdManager.PROTOCOL_DNS_SD, l)
+        return null
     }
 
     fun unregister() {

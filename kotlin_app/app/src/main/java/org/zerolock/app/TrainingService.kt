@@ -77,10 +77,11 @@ class TrainingService : Service() {
         @Suppress("DEPRECATION")
         wifiLock = (applicationContext.getSystemService(Context.WIFI_SERVICE) as WifiManager)
             .createWifiLock(WifiManager.WIFI_MODE_FULL_HIGH_PERF, "zerolock:link").apply { acquire() }
-        nsd = NsdAdvertiser(this).also {
-            it.register(bound, ZeroLockTxt(name = name, proto = 1, runtime = RUNTIME_VERSION, memBytes = stats.totalMemBytes()))
+        val unadvertised = NsdAdvertiser(this).let { a ->
+            nsd = a
+            a.register(bound, ZeroLockTxt(name = name, proto = 1, runtime = RUNTIME_VERSION, memBytes = stats.totalMemBytes()))
         }
-        StatusBoard.update { it.copy(serving = true, port = bound, status = "waiting for the host on port $bound") }
+        StatusBoard.update { it.copy(serving = true, port = bound, status = "waiting for the host on port $bound" + (unadvertised?.let { u -> "; $u" } ?: "")) }
     }
 
     override fun onDestroy() {

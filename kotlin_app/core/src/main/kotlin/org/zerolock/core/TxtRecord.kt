@@ -167,6 +167,13 @@ object ZeroLockService {
         return null
     }
 
+    /** [instanceNameProblem] as one line naming the name ("device name 'NAME' is empty"), its
+     *  control characters written as \uXXXX so the line stays one line; null if the name is fine. */
+    fun instanceNameRefusal(name: String): String? = instanceNameProblem(name)?.let { problem ->
+        val shown = buildString { for (c in name) if (c.code < 0x20 || c.code == 0x7f) append("\\u%04x".format(c.code)) else append(c) }
+        "device name '$shown' $problem"
+    }
+
     /** RFC 6763 4.3 presentation form: '.' -> "\\.", '\\' -> "\\\\". */
     fun escapeInstance(label: String): String = label.replace("\\", "\\\\").replace(".", "\\.")
 
