@@ -22,7 +22,10 @@ RUNTIMES = ("python", "kotlin")
 JVM_OPTIONS = ["-Xmx512m", "-Xms16m", "-Xmn8m", "-XX:+UseSerialGC", "-Xshare:auto"]
 # zl-phone options a Kotlin phone takes as they are; the others are turned into a launcher or refused
 PASSED = {"--threads"}
-FLAGS_IGNORED = {"--mdns"}  # the JVM phone does not advertise itself; `zl-host emulate` does it for it
+FLAGS_IGNORED = {"--mdns"}
+# HEARTBEAT to the host this often, zl-phone's period: a stage waiting for its neighbour (one restarting
+# after a failure) stays heard, and a silent phone (an in-app failure, detect=heartbeat) stands out
+HEARTBEAT_MS = 500  # the JVM phone does not advertise itself; `zl-host emulate` does it for it
 
 
 def parse_runtimes(text: str | None, n: int) -> list[str]:
@@ -94,7 +97,7 @@ def java_command(name: str, workdir: Path, token: str, port: int, bind: str, ext
         i += 2
     return [*prefix, "java", *JVM_OPTIONS, f"-Dzerolock.executorchJni={lib}", "-cp", cp, "org.zerolock.core.DeviceMain",
             "--runtime", "executorch", "--name", name, "--workdir", str(workdir), "--token", token, "--port", str(port),
-            "--bind", bind, "--detach", *args]
+            "--bind", bind, "--heartbeat-ms", str(HEARTBEAT_MS), "--detach", *args]
 
 
 class KotlinPhone(EmulatedPhone):

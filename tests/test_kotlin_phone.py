@@ -200,3 +200,89 @@ def test_kill_9_of_a_kotlin_upstream_that_ran_ahead_replays_from_disk(small_expo
     assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
     for n in base["lora"]:
         assert np.array_equal(result["lora"][n], base["lora"][n]), n
+
+
+# An injected failure at each point (zl_mobile.stage FAILURE_POINTS; the Kotlin core's FaultInjector),
+# in both modes, on Kotlin phones and across the runtimes' boundary: stage 1 of python,kotlin,python is
+# a Kotlin upstream under a Python downstream, its stage 0 a Python upstream under a Kotlin downstream.
+INJECTED = [
+    pytest.param(["kotlin"] * 3, 1, "after-phase1", "process", None, id="kotlin-after-phase1"),
+    pytest.param(["kotlin"] * 3, 2, "before-commit", "process", None, id="kotlin-before-commit"),
+    pytest.param(["kotlin"] * 3, 1, "mid-checkpoint", "process", None, id="kotlin-mid-checkpoint"),
+    pytest.param(["kotlin"] * 3, 1, "after-phase1", "app", "connection", id="kotlin-app-after-phase1"),
+    pytest.param(["kotlin"] * 3, 2, "mid-checkpoint", "app", "heartbeat", id="kotlin-app-mid-checkpoint-heartbeat"),
+    pytest.param(["python", "kotlin", "python"], 1, "before-commit", "process", None, id="kotlin-up-python-down"),
+    pytest.param(["python", "kotlin", "python"], 1, "mid-checkpoint", "app", "connection", id="kotlin-up-python-down-app"),
+    pytest.param(["python", "kotlin", "python"], 0, "after-phase1", "process", None, id="python-up-kotlin-down"),
+]
+
+
+@pytest.mark.parametrize("runtimes,stage,point,mode,detect", INJECTED)
+def test_an_injected_failure_ends_with_the_uninterrupted_lora(small_export, baselines, tmp_path, runtimes, stage,
+                                                              point, mode, detect):
+    """`--inject-failure stage=K,window=2,point=P[,mode=app,detect=D]`: the phone fails there once
+    (process: it exits with zl_mobile's FAILURE_EXIT_CODE and the host restarts it; app: the stage
+    drops its memory inside the running phone, which closes the session or goes silent, and the host
+    reconnects to the same process), the stage restores its last checkpoint (mid-checkpoint: never
+    the half-written one), its upstream replays, and the run ends with the uninterrupted run's LoRA
+    bit for bit, every window committed once per stage."""
+    from host.run_config import parse_failures
+    from zl_mobile.stage import FAILURE_EXIT_CODE
+
+    base, _ = baselines(runtimes)
+    spec = f"stage={stage},window=2,point={point}" + (f",mode={mode},detect={detect}" if mode == "app" else "")
+    phones, events, seen = [], [], {}
+
+    def on_event(kind, data):
+        events.append((kind, data))
+        if kind in ("failure", "rejoined"):
+            phone = next(p for p in phones if p.name == data["device"])
+            seen[kind] = (phone, phone.proc)
+            if kind == "failure" and mode == "process":
+                seen["exit"] = phone.proc.wait(timeout=20)  # it halted by itself: no signal
+            elif kind == "failure":
+                seen["exit"] = phone.proc.poll()
+
+    settings = RunSettings(windows=6, window_size=2, lr=2e-2, inflight_depth=2, inject_failure=parse_failures([spec]),
+                           heartbeat_timeout=2.0 if detect == "heartbeat" else 5.0)
+    result, records = _run(small_export[0], tmp_path, runtimes, phones_out=phones, on_event=on_event, settings=settings)
+    failures = [d for k, d in events if k == "failure"]
+    assert [d["stage"] for d in failures] == [stage], failures  # detected, once, on the failed stage only
+    assert [d["stage"] for k, d in events if k == "rejoined"] == [stage]
+    assert ("no heartbeat" in failures[0]["why"]) == (detect == "heartbeat"), failures[0]["why"]
+    phone, proc_at_failure = seen["failure"]
+    if mode == "process":
+        assert seen["exit"] == FAILURE_EXIT_CODE and seen["rejoined"][1] is not proc_at_failure  # restarted
+    else:
+        assert seen["exit"] is None and seen["rejoined"][1] is proc_at_failure  # the same process, reconnected
+    log = phone.log_path.read_text(errors="replace")
+    assert f"stage {stage}: injected failure ({mode}) at {point} of window 2" in log
+    if phone.runtime == "kotlin" and point == "mid-checkpoint":
+        assert "left a half-written checkpoint" in log
+    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
+        [(k, w) for k in range(3) for w in range(6)]
+    assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
+    for n in base["lora"]:  # the same windows, applied once, in order: bit for bit
+        assert np.array_equal(result["lora"][n], base["lora"][n]), n
+
+
+def test_a_stalled_kotlin_phase_is_not_taken_for_a_dead_phone(small_export, baselines, tmp_path):
+    """hold-gil-in-phase1 on a Kotlin phone (FaultInjector: HEARTBEAT busy_ms, then phase 1 stalls
+    with the device's heartbeats paused) lasts 3 s under a 1 s heartbeat timeout: no failure, as on
+    a Python phone. The other Kotlin phones, waiting for it, keep sending heartbeats
+    (--heartbeat-ms), so none of them is taken for dead either."""
+    base, base_records = baselines(["kotlin"] * 3)
+    events = []
+    stall = {"stage": 1, "window": 1, "point": "hold-gil-in-phase1", "seconds": 3.0}
+    settings = RunSettings(windows=6, window_size=2, lr=2e-2, inflight_depth=2, heartbeat_timeout=1.0,
+                           inject_failure=[stall])
+    result, records = _run(small_export[0], tmp_path, ["kotlin"] * 3, on_event=lambda k, d: events.append((k, d)),
+                           settings=settings)
+    assert [d for k, d in events if k == "failure"] == [] and result["recoveries"] == []
+    stalled = [r for r in records if r["type"] == "TELEMETRY" and r.get("kind") == "micro_batch"
+               and (r["stage"], r["window"]) == (1, 1)]
+    assert max(r["phase1_end"] - r["phase1_start"] for r in stalled) >= 3.0  # the stall did happen
+    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
+        [(k, w) for k in range(3) for w in range(6)]
+    for n in base["lora"]:
+        assert np.array_equal(result["lora"][n], base["lora"][n]), n

@@ -112,6 +112,19 @@ class FileCheckpointStore(val file: File, private val faults: (Point) -> Unit = 
         faults(Point.AFTER_RENAME)
     }
 
+    /**
+     * Fault injection (mid-checkpoint): cut the checkpoint being written in half, as a crash
+     * mid-write leaves it; [load] must then never read it. Returns what it did, or null (no temp file).
+     */
+    fun tearPending(): String? {
+        if (!tmp.isFile) return null
+        java.io.RandomAccessFile(tmp, "rw").use { f ->
+            val size = f.length()
+            f.setLength(maxOf(1L, size / 2))
+            return "left a half-written checkpoint ${tmp.name} (${f.length()} of $size bytes)"
+        }
+    }
+
     private fun syncDirectory(dir: File) {
         // Makes the rename itself durable on Linux/Android; not possible on every platform.
         try {

@@ -19,11 +19,13 @@ import kotlin.system.exitProcess
  *
  *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.DeviceMain \
  *        [--runtime executorch|affine] [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME]
- *        [--workdir DIR] [--threads N] [--detach]
+ *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--detach]
  *
  * `--runtime executorch` (the default) runs the pushed chunk (zl-export's .pte + .ptd) through
  * ExecuTorch's C++ runtime (kotlin_app/jni, built by run_tests.sh); `affine` is the stand-in chunk
- * h*(1+a)+b that protocol tests use. `--threads` sizes ExecuTorch's thread pool.
+ * h*(1+a)+b that protocol tests use. `--threads` sizes ExecuTorch's thread pool. `--heartbeat-ms`
+ * sends the host a HEARTBEAT that often while a session is open (zl-host starts Kotlin phones with
+ * 500, zl-phone's period; default 0: none, the device only answers the host's).
  *
  * Prints `TOKEN <hex>`, `LISTENING <port>` and a zl-phone-like `NAME: listening on ADDR:PORT`
  * line once it accepts connections, then serves until stdin closes (the parent went away) or,
@@ -31,7 +33,7 @@ import kotlin.system.exitProcess
  */
 object DeviceMain {
     const val USAGE = "usage: DeviceMain [--runtime executorch|affine] [--port N] [--bind ADDR] [--token HEX64] [--name NAME] " +
-        "[--workdir DIR] [--threads N] [--detach]"
+        "[--workdir DIR] [--threads N] [--heartbeat-ms N] [--detach]"
 
     /** What HELLO's runtime_version and the TXT record's `runtime` say, per --runtime. */
     fun runtimeLabel(runtime: String): String = if (runtime == "affine") "kotlin/affine" else "kotlin/executorch"
@@ -57,6 +59,7 @@ object DeviceMain {
         var runtime = "executorch"
         var threads = 0
         var detach = false
+        var heartbeatMs = 0
         var i = 0
         fun value(): String = args.getOrNull(++i) ?: throw UsageError("${args[i - 1]} needs a value")
         fun int(what: String, range: IntRange): Int = value().let { v ->
@@ -71,6 +74,7 @@ object DeviceMain {
                 "--dir", "--workdir" -> dir = File(value())
                 "--runtime" -> runtime = value().also { if (it !in listOf("executorch", "affine")) throw UsageError("--runtime must be executorch or affine, got '$it'") }
                 "--threads" -> threads = int("--threads", 1..256)
+                "--heartbeat-ms" -> heartbeatMs = int("--heartbeat-ms", 0..60_000)
                 "--detach" -> detach = true
                 "-h", "--help" -> { println(USAGE); return }
                 else -> throw UsageError("unknown argument ${args[i]}; $USAGE")
@@ -97,6 +101,7 @@ object DeviceMain {
             stats = { Pair(pss.read(), null) },
             log = { System.err.println("[device] $it") },
         )
+        server.heartbeatPeriodMs = heartbeatMs.toLong()
         val p = server.start(port, InetAddress.getByName(bind))
         println("TOKEN $tok")
         println("LISTENING $p")

@@ -59,6 +59,13 @@ class DeviceServer(
     private val auth = DeviceAuth(token, info.name)
     private var server: ServerSocket? = null
     @Volatile private var hostWriter: FrameWriter? = null
+    @Volatile private var hostSocket: Socket? = null
+    /** The session of a stage that failed in-app with detect "heartbeat": nothing more is sent on it. */
+    @Volatile private var silent: FrameWriter? = null
+    /** HEARTBEAT to the host every this many ms while a session is open, as zl-phone's 0.5 s (0: none). */
+    var heartbeatPeriodMs: Long = 0
+    /** No periodic heartbeat before this System.nanoTime() (hold-gil-in-phase1, [FaultInjector]). */
+    @Volatile private var quietUntil = 0L
     @Volatile var stage: StageRuntime? = null
         private set
     private var bindAddress: InetAddress? = null
@@ -172,6 +179,11 @@ class DeviceServer(
             c.soTimeout = ioTimeoutMs
             reader.maxFrame = Frames.SESSION_MAX_FRAME // what a session can need (PROTOCOL.md 2.1)
             hostWriter = writer
+            hostSocket = c
+            val open = java.util.concurrent.atomic.AtomicBoolean(true)
+            if (heartbeatPeriodMs > 0) {
+                Thread({ heartbeats(writer, open) }, "zl-heartbeat").also { it.isDaemon = true; it.start() }
+            }
             try {
                 session(reader, writer)
             } catch (e: ProtocolException) {
@@ -181,7 +193,8 @@ class DeviceServer(
             } catch (e: IOException) {
                 log("session I/O: ${e.message}")
             } finally {
-                if (hostWriter === writer) hostWriter = null
+                open.set(false)
+                if (hostWriter === writer) { hostWriter = null; hostSocket = null }
                 files.abortAll()
                 auth.releaseSession()
                 log("host session ended")
@@ -189,7 +202,32 @@ class DeviceServer(
         }
     }
 
-    private fun session(reader: FrameReader, writer: FrameWriter) {
+    /** The device's own HEARTBEATs on the session, as zl_mobile's device sends them, until it ends or goes silent. */
+    private fun heartbeats(writer: FrameWriter, open: java.util.concurrent.atomic.AtomicBoolean) {
+        var seq = 0L
+        while (open.get() && writer !== silent) {
+            if (System.nanoTime() >= quietUntil) {
+                try { writer.write(Messages.heartbeat(seq++, System.nanoTime() / 1_000_000)) } catch (_: IOException) { return }
+            }
+            Thread.sleep(heartbeatPeriodMs)
+        }
+    }
+
+    /**
+     * An injected in-app failure dropped [rt] (mode "app", zl_mobile's Device._stage_failed): the
+     * device forgets the stage and the host learns of it as of an app whose training crashed: the
+     * session is closed (`connection`), or nothing more is sent on it, heartbeats included, until
+     * the host's heartbeat timeout gives up on it (`heartbeat`). The device itself serves on; the
+     * host reconnects and a new STAGE_ASSIGN restores the stage from its checkpoint.
+     */
+    private fun stageFailed(rt: StageRuntime, detect: String) {
+        synchronized(this) { if (stage === rt) stage = null }
+        val w = hostWriter ?: return
+        if (detect == "heartbeat") silent = w else try { hostSocket?.close() } catch (_: IOException) {}
+    }
+
+    private fun session(reader: FrameReader, out: FrameWriter) {
+        val writer = object { fun write(m: Message) { if (out !== silent) out.write(m) } }
         while (true) {
             val m = try { reader.read() } catch (_: SocketTimeoutException) { files.sweep(); continue }
             files.sweep() // counted from each transfer's last chunk, heartbeats or not
@@ -242,7 +280,8 @@ class DeviceServer(
             return Messages.error(ErrorCode.REJECTED, "cannot load the chunk program: ${e.message}", rid)
         }
         val rt = try {
-            StageRuntime(a, runner, checkpointDir, { hostWriter }, stats, listener, bindAddress, log, bound)
+            StageRuntime(a, runner, checkpointDir, { hostWriter?.takeIf { it !== silent } }, stats, listener, bindAddress, log, bound,
+                onFailure = ::stageFailed, quiet = { ms -> quietUntil = System.nanoTime() + ms * 1_000_000 })
         } catch (e: Exception) {
             runner.close()
             try { bound?.close() } catch (_: IOException) {}

@@ -47,6 +47,10 @@ class StageAssignment(val msg: Message) {
     val alpha: Double? = (config["alpha"] as? Number)?.toDouble()
     /** config.restart: start afresh even if this device runs the same run_id and stage. */
     val restart: Boolean = config["restart"] == true
+    /** config.inject_failure: failures and slow phases injected for tests and benchmarks ([FaultInjector]). */
+    val injectFailure: List<FailureSpec> = FailureSpec.listOf(config["inject_failure"])
+    /** config.busy_ms: how long a stalled phase may keep this stage silent (HEARTBEAT busy_ms). */
+    val busyMs: Long = (config["busy_ms"] as? Number)?.toLong() ?: 600_000L
 
     fun check() {
         StageAssignRules.validate(msg.meta) // every field, before anything is created (PROTOCOL.md 5.3.1)
@@ -108,10 +112,25 @@ class StageRuntime(
     private val log: (String) -> Unit = {},
     /** The data port bound already by the device (a fixed listen_port, checked before the old stage stopped). */
     dataListener: java.net.ServerSocket? = null,
+    /** An injected in-app failure dropped this stage (its detect: "connection" or "heartbeat"); the device reports it. */
+    private val onFailure: (StageRuntime, String) -> Unit = { _, _ -> },
+    /** The device sends no periodic heartbeat for this many ms (hold-gil-in-phase1, [FaultInjector]). */
+    private val quiet: (Long) -> Unit = {},
 ) {
     val windows = UpdateWindows(assignment.windowSize)
     private val checkpointFile = File(checkpointDir, "stage${assignment.stage}-${assignment.runId}.ckpt")
-    val trainer = StageTrainer(windows, AdamW(lr = assignment.lr, weightDecay = assignment.weightDecay), FileCheckpointStore(checkpointFile), runner.initialLora())
+    /** Markers of fired failures live beside the checkpoints: a restarted stage replays without failing again. */
+    private val faults = FaultInjector(assignment.injectFailure, checkpointDir, assignment.runId, assignment.stage, log)
+    /** The window of the latest phase 1, the one a commit in progress belongs to. */
+    @Volatile private var window = -1L
+    private val store: FileCheckpointStore = FileCheckpointStore(checkpointFile) { point ->
+        when (point) { // between the window's AdamW step and its durable checkpoint, as zl_mobile's hooks
+            FileCheckpointStore.Point.BEFORE_WRITE -> faults.maybeFail(FaultInjector.BEFORE_COMMIT, window)
+            FileCheckpointStore.Point.AFTER_TEMP_SYNCED -> faults.maybeFail(FaultInjector.MID_CHECKPOINT, window) { store.tearPending() }
+            else -> {}
+        }
+    }
+    val trainer = StageTrainer(windows, AdamW(lr = assignment.lr, weightDecay = assignment.weightDecay), store, runner.initialLora())
 
     /** The next micro-batch this stage trains: (last committed window + 1) * W after a (re)start. */
     @Volatile var nextMicroBatch: Long = trainer.nextMicroBatch
@@ -193,6 +212,9 @@ class StageRuntime(
             if (m == null) continue
             try {
                 forward(mb, m)
+            } catch (e: AppFailure) {
+                dropState(e.detect)
+                return
             } catch (e: Throwable) {
                 failure = e
                 reportError("stage ${assignment.stage} failed at micro-batch $mb: ${e.message ?: e}")
@@ -213,7 +235,9 @@ class StageRuntime(
         // in the batch as zl_mobile's Stage._batch: each phase takes it only if its inputs list it
         val tensors = if (alpha == null) batch.tensors else batch.tensors + ("alpha" to alpha)
         val lora = trainer.parameters()
+        window = w
         val t0 = System.nanoTime()
+        stallPhase1(w) // injected slowness counts as phase 1 time, as zl_mobile's
         val p1 = runner.phase1(tensors, lora)
         val t1 = System.nanoTime()
         activeNs += t1 - t0
@@ -221,6 +245,7 @@ class StageRuntime(
         val hidden = Messages.hiddenState(mb, w, p1.h, m.tensors.filterKeys { it != "h" })
         outbound?.publish(hidden)
         outbound?.persist(hidden) // on disk too, for a restart of this stage (after it is handed to the sender)
+        faults.maybeFail(FaultInjector.AFTER_PHASE1, w)
         val timing = linkedMapOf<String, Any?>("schedule" to schedule, "phase1_start" to epochS(t0), "phase1_end" to epochS(t1),
             "published" to epochS(System.nanoTime()))
         var taskLoss: Double? = null
@@ -276,6 +301,37 @@ class StageRuntime(
         inbound.committed(cw, trainer.optimizerSteps, sha)
     }
 
+    /** slow-phase1 and hold-gil-in-phase1 ([FaultInjector]) for this window's phase 1. */
+    private fun stallPhase1(w: Long) {
+        val slow = faults.slowSeconds(w)
+        if (slow > 0) Thread.sleep((slow * 1000).toLong())
+        val hold = faults.stallSeconds(w) ?: return
+        val ms = (hold * 1000).toLong()
+        // what zl_mobile's stage says before each runtime call, then silence: no heartbeat for `hold` s
+        hostOut()?.write(Message(MsgType.HEARTBEAT, linkedMapOf("seq" to 0L, "busy_ms" to assignment.busyMs)))
+        quiet(ms)
+        Thread.sleep(ms)
+        hostOut()?.write(Message(MsgType.HEARTBEAT, linkedMapOf("seq" to 0L, "busy_ms" to 0L)))
+    }
+
+    /**
+     * An injected in-app failure (mode "app"), as zl_mobile's Stage._drop_state: the stage thread
+     * ends, its links close (the upstream and downstream see the connections drop), its program is
+     * released and its memory (LoRA, AdamW moments, window gradients) goes with this object; only
+     * what it committed to disk remains. The device then drops it and tells the host ([onFailure]);
+     * a new STAGE_ASSIGN restores the stage from its checkpoint and the upstream's replay.
+     */
+    private fun dropState(detect: String) {
+        log("stage ${assignment.stage}: dropped its state inside the running phone (in-app failure, detected by $detect)")
+        dropped = true
+        running = false
+        queue.stop()
+        inbound.close()
+        outbound?.close()
+        runner.close()
+        onFailure(this, detect)
+    }
+
     private var weightsPss: Long? = null
     private var weightsRead = false
 
@@ -314,10 +370,13 @@ class StageRuntime(
         return Message(MsgType.STATE_PUT, meta, tensors)
     }
 
+    @Volatile private var dropped = false
+
     fun stop() {
+        if (dropped) return // dropState closed everything already
         running = false
         queue.stop()
-        worker.join(2000)
+        if (Thread.currentThread() !== worker) worker.join(2000)
         inbound.close()
         outbound?.close()
         runner.close()
