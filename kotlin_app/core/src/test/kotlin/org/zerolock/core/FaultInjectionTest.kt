@@ -4,7 +4,6 @@ import org.junit.jupiter.api.Assertions.assertEquals
 import org.junit.jupiter.api.Assertions.assertNull
 import org.junit.jupiter.api.Assertions.assertTrue
 import org.junit.jupiter.api.Test
-import org.junit.jupiter.api.assertThrows
 import org.junit.jupiter.api.io.TempDir
 import org.zerolock.core.device.AppFailure
 import org.zerolock.core.device.FailureSpec
@@ -54,15 +53,17 @@ class FaultInjectionTest {
         val grads = mapOf("a" to floatArrayOf(0.1f, 0.2f), "b" to floatArrayOf(-0.3f))
         val faults = FaultInjector(specs(mapOf("window" to 1L, "point" to "mid-checkpoint", "mode" to "app")), dir, "r", 0) {}
         var torn: String? = null
+        var window = 0L // the window being committed, as StageRuntime tracks it
         lateinit var store: FileCheckpointStore
         store = FileCheckpointStore(file) { p ->
             if (p == FileCheckpointStore.Point.AFTER_TEMP_SYNCED) {
-                faults.maybeFail("mid-checkpoint", 1) { store.tearPending().also { torn = it } }
+                faults.maybeFail("mid-checkpoint", window) { store.tearPending().also { torn = it } }
             }
         }
         val t = StageTrainer(UpdateWindows(1), AdamW(lr = 1e-2), store, init)
         t.onGradients(0, grads, 1)
         val committed = file.readBytes()
+        window = 1
         assertThrows<AppFailure> { t.onGradients(1, grads, 1) }
         assertTrue(torn!!.startsWith("left a half-written checkpoint ck.bin.tmp ("), torn)
         assertTrue(file.readBytes().contentEquals(committed), "the committed checkpoint is untouched")
