@@ -22,10 +22,10 @@ RUNTIMES = ("python", "kotlin")
 JVM_OPTIONS = ["-Xmx512m", "-Xms16m", "-Xmn8m", "-XX:+UseSerialGC", "-Xshare:auto"]
 # zl-phone options a Kotlin phone takes as they are; the others are turned into a launcher or refused
 PASSED = {"--threads"}
-FLAGS_IGNORED = {"--mdns"}
+FLAGS_IGNORED = {"--mdns"}  # the JVM phone does not advertise itself; `zl-host emulate` does it for it
 # HEARTBEAT to the host this often, zl-phone's period: a stage waiting for its neighbour (one restarting
 # after a failure) stays heard, and a silent phone (an in-app failure, detect=heartbeat) stands out
-HEARTBEAT_MS = 500  # the JVM phone does not advertise itself; `zl-host emulate` does it for it
+HEARTBEAT_MS = 500
 
 
 def parse_runtimes(text: str | None, n: int) -> list[str]:
