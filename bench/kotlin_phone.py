@@ -5,11 +5,13 @@ interleaved for --rounds rounds.
 
 Per stage and runtime: the step time (median and minimum of phase1 + phase2 of a micro-batch, the
 first window left out: loading and first touches; the minimum is what a loaded machine disturbs
-least), peak PSS (max `rss_peak_bytes` / `pss_bytes` of the stage's
-telemetry), the runtime's own PSS before the program loaded (`pss_runtime_bytes`: the JVM, or the
-interpreter with torch imported) and the peak over that floor (the program's weights, arenas and
-activations: the figure that carries over to a phone), and the pipeline's throughput (samples/s
-over the windows after the first).
+least), peak PSS (each phone process's /proc/PID/smaps_rollup, sampled from this process every
+50 ms: not the telemetry's `rss_peak_bytes`, since RSS counts the .ptd's pages once per mapping and
+ExecuTorch maps each method's weights on its own, 1.2 GiB twice over at TinyLlama shape), peak RSS
+as the phone reports it, the runtime's own PSS before the program loaded (`pss_runtime_bytes`: the
+JVM, or the interpreter with torch imported) and the peak PSS over that floor (the program's
+weights, arenas and activations: the figure that carries over to a phone), and the pipeline's
+throughput (samples/s over the windows after the first).
 
 Usage:
   python bench/kotlin_phone.py --program EXPORT [--data FILE.jsonl] [--windows 4] [--window 2]
@@ -21,6 +23,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -35,12 +38,25 @@ def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int,
     from host.emulate import start_phones
     from host.plan import RunSettings
 
+    from zl_mobile.telemetry import read_pss_bytes
+
     phones = start_phones(n, root / "phones", prefix=f"{runtime[0]}", runtimes=[runtime] * n, cpu_shares=shares)
+    peak_pss, done = {p.name: 0 for p in phones}, threading.Event()
+
+    def sample():  # from outside: a thread in a Python phone would wait for ExecuTorch's calls
+        while not done.wait(0.05):
+            for p in phones:
+                peak_pss[p.name] = max(peak_pss[p.name], read_pss_bytes(p.pid) or 0)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     try:
         settings = RunSettings(windows=windows, window_size=window, lr=2e-3, inflight_depth=2)
         settings.max_seconds = 1800
         Coordinator(program, [p.handle() for p in phones], mbs, settings, root / "run", run_id="bench").run()
     finally:
+        done.set()
+        sampler.join()
         for p in phones:
             p.stop()
     records = [json.loads(x) for x in (root / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -53,11 +69,11 @@ def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int,
         steady = [r for r in mine if r["window"] >= 1] or mine
         steps = [(r["phase1_end"] - r["phase1_start"]) + (r["phase2_end"] - r["phase2_start"])
                  for r in steady if "phase2_end" in r]
-        peaks = [r.get("rss_peak_bytes") or r.get("pss_bytes") or 0 for r in mine]
+        peak_rss = max(r.get("rss_peak_bytes") or 0 for r in mine)
         floor = [r["pss_runtime_bytes"] for r in win if r["stage"] == k and r.get("pss_runtime_bytes")]
-        peak = max(peaks)
+        peak = peak_pss[mine[0]["device"]]
         out["stages"][k] = {"step_s": statistics.median(steps) if steps else None, "step_min_s": min(steps) if steps else None,
-                            "peak_pss_mib": peak / MiB,
+                            "peak_pss_mib": peak / MiB, "peak_rss_mib": peak_rss / MiB,
                             "runtime_pss_mib": floor[0] / MiB if floor else None,
                             "over_floor_mib": (peak - floor[0]) / MiB if floor else None}
     # the first window's losses come before any update: the same numbers on both runtimes (parity)
@@ -119,7 +135,7 @@ def main(argv=None) -> int:
           f"{'floor py':>8} {'floor kt':>8} {'over py':>8} {'over kt':>8} {'ratio':>6}")
     for k in range(n):
         row = {f"{key}_{rt}": med(rt, k, key) for rt in runs
-               for key in ("step_s", "step_min_s", "peak_pss_mib", "runtime_pss_mib", "over_floor_mib")}
+               for key in ("step_s", "step_min_s", "peak_pss_mib", "peak_rss_mib", "runtime_pss_mib", "over_floor_mib")}
         row["step_ratio"] = row["step_s_kotlin"] / row["step_s_python"]
         row["step_min_ratio"] = row["step_min_s_kotlin"] / row["step_min_s_python"]
         row["over_floor_ratio"] = (row["over_floor_mib_kotlin"] / row["over_floor_mib_python"]
