@@ -286,3 +286,28 @@ def test_a_stalled_kotlin_phase_is_not_taken_for_a_dead_phone(small_export, base
         [(k, w) for k in range(3) for w in range(6)]
     for n in base["lora"]:
         assert np.array_equal(result["lora"][n], base["lora"][n]), n
+
+
+def test_kotlin_phone_mem_limit_kills_and_bad_size_is_refused(built, tmp_path):
+    """--mem-limit is passed through (host/kotlin_phone.py) and acts as zl-phone's: a JVM over its limit
+    ends at once with exit 137 and the one-line reason; a bad size is exit 2 before anything is created."""
+    import subprocess
+
+    from host.kotlin_phone import java_command
+    from zl_mobile.memlimit import KILLED_EXIT_CODE
+
+    # a JVM's resident set is well over 24 MiB before it listens: the watchdog ends it
+    cmd = java_command("kt-mem", tmp_path / "mem", "ef" * 32, 0, "127.0.0.1", ["--mem-limit", "24M"])
+    assert cmd[cmd.index("--mem-limit") + 1] == "24M"
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == KILLED_EXIT_CODE, r.stderr
+    line = [l for l in r.stderr.splitlines() if "killed" in l]
+    assert len(line) == 1 and "kotlin-phone kt-mem: killed: resident memory" in line[0], r.stderr
+    assert "passed --mem-limit 24.0 MiB (as a phone's low-memory killer would)" in line[0]
+
+    bad = java_command("kt-bad", tmp_path / "bad", "ef" * 32, 0, "127.0.0.1", ["--mem-limit", "12X"])
+    r = subprocess.run(bad, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("DeviceMain: error: --mem-limit: memory size '12X' is not a number with an optional "
+                                "unit: give e.g. 600M or 1.5G")
+    assert not (tmp_path / "bad").exists()

@@ -4,6 +4,7 @@ import org.zerolock.core.device.AffineChunkRunner
 import org.zerolock.core.device.DeviceInfo
 import org.zerolock.core.device.DeviceServer
 import org.zerolock.core.device.ManifestRunnerFactory
+import org.zerolock.core.device.MemoryLimit
 import org.zerolock.core.device.RunnerFactory
 import org.zerolock.core.executorch.EtLibrary
 import org.zerolock.core.executorch.ExecuTorchBackend
@@ -19,13 +20,15 @@ import kotlin.system.exitProcess
  *
  *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.DeviceMain \
  *        [--runtime executorch|affine] [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME]
- *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--detach]
+ *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--detach]
  *
  * `--runtime executorch` (the default) runs the pushed chunk (zl-export's .pte + .ptd) through
  * ExecuTorch's C++ runtime (kotlin_app/jni, built by run_tests.sh); `affine` is the stand-in chunk
  * h*(1+a)+b that protocol tests use. `--threads` sizes ExecuTorch's thread pool. `--heartbeat-ms`
  * sends the host a HEARTBEAT that often while a session is open (zl-host starts Kotlin phones with
- * 500, zl-phone's period; default 0: none, the device only answers the host's).
+ * 500, zl-phone's period; default 0: none, the device only answers the host's). `--mem-limit SIZE`
+ * (600M, 1.5G: zl-phone's sizes) ends the process with exit 137 once its resident memory passes
+ * SIZE, as a phone's low-memory killer would, and is the budget HELLO reports (device/MemoryLimit.kt).
  *
  * Prints `TOKEN <hex>`, `LISTENING <port>` and a zl-phone-like `NAME: listening on ADDR:PORT`
  * line once it accepts connections, then serves until stdin closes (the parent went away) or,
@@ -33,7 +36,7 @@ import kotlin.system.exitProcess
  */
 object DeviceMain {
     const val USAGE = "usage: DeviceMain [--runtime executorch|affine] [--port N] [--bind ADDR] [--token HEX64] [--name NAME] " +
-        "[--workdir DIR] [--threads N] [--heartbeat-ms N] [--detach]"
+        "[--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--detach]"
 
     /** What HELLO's runtime_version and the TXT record's `runtime` say, per --runtime. */
     fun runtimeLabel(runtime: String): String = if (runtime == "affine") "kotlin/affine" else "kotlin/executorch"
@@ -60,6 +63,7 @@ object DeviceMain {
         var threads = 0
         var detach = false
         var heartbeatMs = 0
+        var memLimit: Long? = null
         var i = 0
         fun value(): String = args.getOrNull(++i) ?: throw UsageError("${args[i - 1]} needs a value")
         fun int(what: String, range: IntRange): Int = value().let { v ->
@@ -75,6 +79,9 @@ object DeviceMain {
                 "--runtime" -> runtime = value().also { if (it !in listOf("executorch", "affine")) throw UsageError("--runtime must be executorch or affine, got '$it'") }
                 "--threads" -> threads = int("--threads", 1..256)
                 "--heartbeat-ms" -> heartbeatMs = int("--heartbeat-ms", 0..60_000)
+                "--mem-limit" -> memLimit = value().let { v ->
+                    try { MemoryLimit.parseSize(v) } catch (e: IllegalArgumentException) { throw UsageError("--mem-limit: ${e.message}") }
+                }
                 "--detach" -> detach = true
                 "-h", "--help" -> { println(USAGE); return }
                 else -> throw UsageError("unknown argument ${args[i]}; $USAGE")
@@ -83,6 +90,8 @@ object DeviceMain {
         }
         val tok = token ?: Handshake.newToken()
         try { Handshake.parseToken(tok) } catch (e: Exception) { throw UsageError("--token: ${e.message}") }
+        // watched from here on, before the bridge and the chunk's libraries load: they count too
+        val limit = memLimit?.let { MemoryLimit(it, name).start() }
         val root = dir ?: Files.createTempDirectory("zl-device").toFile()
         val runners = if (runtime == "affine") RunnerFactory { _, _ -> AffineChunkRunner() } else {
             // load the bridge now: a phone that cannot run chunks says so at start, not at STAGE_ASSIGN
