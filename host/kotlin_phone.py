@@ -87,6 +87,7 @@ def java_command(name: str, workdir: Path, token: str, port: int, bind: str, ext
             from zl_mobile.cpu_budget import threads_for_share
 
             prefix = [sys.executable, "-m", "zl_mobile.cpu_budget", val, "--"] + prefix
+            args += ["--cpu-share", val]  # for HELLO's cpu_share, as zl-phone reports its budget
             if "--threads" not in extra_args:
                 args += ["--threads", str(threads_for_share(float(val)))]
         elif opt in FLAGS_IGNORED:
@@ -115,13 +116,21 @@ class KotlinPhone(EmulatedPhone):
 def advertise(phones) -> list:
     """mDNS records for the Kotlin phones among `phones`, held by the caller (zl-host emulate) while
     they run: on Android NsdManager advertises the app; on the JVM the host does it for the phone."""
-    from zl_mobile.mdns import Advertisement, txt_record
-    from zl_mobile.telemetry import total_memory_bytes
+    from zl_mobile.mdns import Advertisement
 
     ads = []
     for p in phones:
         if getattr(p, "runtime", "python") == "kotlin":
-            ads.append(Advertisement(p.name, p.port, txt_record(p.name, 1, "kotlin/executorch", total_memory_bytes()),
-                                     addresses=[p.address]))
+            ads.append(Advertisement(p.name, p.port, txt_for(p), addresses=[p.address]))
     return ads
+
+
+def txt_for(phone) -> dict[str, str]:
+    """A Kotlin phone's TXT record: zl-phone's, `cpu_share` included when it is held to one."""
+    from zl_mobile.mdns import txt_record
+    from zl_mobile.telemetry import total_memory_bytes
+
+    args = phone.extra_args
+    share = float(args[args.index("--cpu-share") + 1]) if "--cpu-share" in args else None
+    return txt_record(phone.name, 1, "kotlin/executorch", total_memory_bytes(), cpu_share=share)
 

@@ -311,3 +311,40 @@ def test_kotlin_phone_mem_limit_kills_and_bad_size_is_refused(built, tmp_path):
     assert r.stderr.strip() == ("DeviceMain: error: --mem-limit: memory size '12X' is not a number with an optional "
                                 "unit: give e.g. 600M or 1.5G")
     assert not (tmp_path / "bad").exists()
+
+
+def test_kotlin_phone_hello_reports_its_budget(built, tmp_path):
+    """HELLO's cores, cpu_share and memory_budget_bytes as a zl-phone sends them (zl_mobile/device.py), so
+    zl-host plan's budgets work with Kotlin phones: a phone started with --cpu-share 0.5 --mem-limit 600M
+    (under the CPU-budget launcher) reports both; one without reports no share and MemAvailable."""
+    import socket
+
+    from host.kotlin_phone import txt_for
+    from zl_mobile.memlimit import available_bytes
+    from zl_mobile.protocol import host_handshake
+
+    def hello_of(phone):
+        with socket.create_connection(("127.0.0.1", phone.port), timeout=10) as s:
+            s.settimeout(10)
+            return host_handshake(s, phone.token, "zl-host").meta
+
+    budgeted = KotlinPhone("kt-budget", tmp_path / "b", "12" * 32, ["--cpu-share", "0.5", "--mem-limit", "600M"])
+    plain = KotlinPhone("kt-plain", tmp_path / "p", "34" * 32)
+    try:
+        budgeted.start()
+        plain.start()
+        # the launcher really holds it: the JVM runs in a cgroup of its own
+        assert "zerolock/phone-" in Path(f"/proc/{budgeted.proc.pid}/cgroup").read_text()
+        h = hello_of(budgeted)
+        assert h["cpu_share"] == 0.5 and isinstance(h["cpu_share"], float)
+        assert h["memory_budget_bytes"] == 600 * 2**20 and isinstance(h["memory_budget_bytes"], int)
+        assert h["cores"] == len(os.sched_getaffinity(0)) and isinstance(h["cores"], int)
+        assert txt_for(budgeted)["cpu_share"] == "0.5"
+        h = hello_of(plain)
+        assert "cpu_share" not in h and "cpu_share" not in txt_for(plain)
+        assert h["cores"] == len(os.sched_getaffinity(0))
+        # MemAvailable read afresh at the handshake: near this reading, not a fixed number
+        assert abs(h["memory_budget_bytes"] - available_bytes()) < 512 * 2**20
+    finally:
+        budgeted.stop()
+        plain.stop()

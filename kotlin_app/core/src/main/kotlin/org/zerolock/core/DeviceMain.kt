@@ -3,6 +3,7 @@ package org.zerolock.core
 import org.zerolock.core.device.AffineChunkRunner
 import org.zerolock.core.device.DeviceInfo
 import org.zerolock.core.device.DeviceServer
+import org.zerolock.core.device.HelloFacts
 import org.zerolock.core.device.ManifestRunnerFactory
 import org.zerolock.core.device.MemoryLimit
 import org.zerolock.core.device.RunnerFactory
@@ -20,7 +21,7 @@ import kotlin.system.exitProcess
  *
  *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.DeviceMain \
  *        [--runtime executorch|affine] [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME]
- *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--detach]
+ *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--cpu-share F] [--detach]
  *
  * `--runtime executorch` (the default) runs the pushed chunk (zl-export's .pte + .ptd) through
  * ExecuTorch's C++ runtime (kotlin_app/jni, built by run_tests.sh); `affine` is the stand-in chunk
@@ -29,6 +30,8 @@ import kotlin.system.exitProcess
  * 500, zl-phone's period; default 0: none, the device only answers the host's). `--mem-limit SIZE`
  * (600M, 1.5G: zl-phone's sizes) ends the process with exit 137 once its resident memory passes
  * SIZE, as a phone's low-memory killer would, and is the budget HELLO reports (device/MemoryLimit.kt).
+ * `--cpu-share F` only says, in HELLO's `cpu_share`, what the launcher that started this process
+ * (zl_mobile.cpu_budget, host/kotlin_phone.py) holds it to; it limits nothing itself.
  *
  * Prints `TOKEN <hex>`, `LISTENING <port>` and a zl-phone-like `NAME: listening on ADDR:PORT`
  * line once it accepts connections, then serves until stdin closes (the parent went away) or,
@@ -36,7 +39,7 @@ import kotlin.system.exitProcess
  */
 object DeviceMain {
     const val USAGE = "usage: DeviceMain [--runtime executorch|affine] [--port N] [--bind ADDR] [--token HEX64] [--name NAME] " +
-        "[--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--detach]"
+        "[--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--cpu-share F] [--detach]"
 
     /** What HELLO's runtime_version and the TXT record's `runtime` say, per --runtime. */
     fun runtimeLabel(runtime: String): String = if (runtime == "affine") "kotlin/affine" else "kotlin/executorch"
@@ -64,6 +67,7 @@ object DeviceMain {
         var detach = false
         var heartbeatMs = 0
         var memLimit: Long? = null
+        var cpuShare: Double? = null
         var i = 0
         fun value(): String = args.getOrNull(++i) ?: throw UsageError("${args[i - 1]} needs a value")
         fun int(what: String, range: IntRange): Int = value().let { v ->
@@ -81,6 +85,11 @@ object DeviceMain {
                 "--heartbeat-ms" -> heartbeatMs = int("--heartbeat-ms", 0..60_000)
                 "--mem-limit" -> memLimit = value().let { v ->
                     try { MemoryLimit.parseSize(v) } catch (e: IllegalArgumentException) { throw UsageError("--mem-limit: ${e.message}") }
+                }
+                "--cpu-share" -> cpuShare = value().let { v ->
+                    // zl_mobile.cpu_budget.MIN_SHARE: the launcher refuses less
+                    v.toDoubleOrNull()?.takeIf { it.isFinite() && it >= 0.1 }
+                        ?: throw UsageError("--cpu-share must be a share of one core of at least 0.1 (e.g. 0.5), got '$v'")
                 }
                 "--detach" -> detach = true
                 "-h", "--help" -> { println(USAGE); return }
@@ -101,7 +110,8 @@ object DeviceMain {
         }
         val pss = PssSampler()
         val server = DeviceServer(
-            info = DeviceInfo(name, runtimeLabel(runtime), Runtime.getRuntime().maxMemory(), listOf("lora", "replay")),
+            info = DeviceInfo(name, runtimeLabel(runtime), Runtime.getRuntime().maxMemory(), listOf("lora", "replay"),
+                extra = HelloFacts.fixed(HelloFacts.cores(), cpuShare), live = { HelloFacts.live(limit) }),
             token = tok,
             filesDir = File(root, "files"),
             checkpointDir = File(root, "checkpoints"),

@@ -27,8 +27,10 @@ class DeviceInfo(
     val memoryBytes: Long,
     val capabilities: List<String> = listOf("lora", "replay"),
     val extra: Map<String, Any?> = emptyMap(),
+    /** Fields read afresh for every HELLO (`memory_budget_bytes` without a limit: what is available now). */
+    val live: () -> Map<String, Any?> = { emptyMap() },
 ) {
-    fun hello(): Message = Messages.hello(name, runtimeVersion, memoryBytes, capabilities, extra)
+    fun hello(): Message = Messages.hello(name, runtimeVersion, memoryBytes, capabilities, extra + live())
 }
 
 /**
