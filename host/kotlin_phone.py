@@ -21,7 +21,7 @@ RUNTIMES = ("python", "kotlin")
 # first collection (bench/kotlin_phone.py: peak 193 -> 98 MiB, step time unchanged)
 JVM_OPTIONS = ["-Xmx512m", "-Xms16m", "-Xmn8m", "-XX:+UseSerialGC", "-Xshare:auto"]
 # zl-phone options a Kotlin phone takes as they are; the others are turned into a launcher or refused
-PASSED = {"--threads", "--mem-limit"}  # --mem-limit: the same sizes and watchdog (device/MemoryLimit.kt)
+PASSED = {"--threads", "--mem-limit", "--rate-mbit", "--link-delay-ms"}  # the same meanings (DeviceMain)
 FLAGS_IGNORED = {"--mdns"}  # the JVM phone does not advertise itself; `zl-host emulate` does it for it
 # HEARTBEAT to the host this often, zl-phone's period: a stage waiting for its neighbour (one restarting
 # after a failure) stays heard, and a silent phone (an in-app failure, detect=heartbeat) stands out

@@ -113,8 +113,8 @@ def test_runtime_option_is_checked():
 
 
 def test_kotlin_phone_refuses_options_it_lacks(built, tmp_path):
-    with pytest.raises(EmulatorError, match="--rate-mbit is a zl-phone option Kotlin phones do not have yet"):
-        KotlinPhone("kt-x", tmp_path / "x", "cd" * 32, ["--rate-mbit", "10"]).start()
+    with pytest.raises(EmulatorError, match="--backend is a zl-phone option Kotlin phones do not have yet"):
+        KotlinPhone("kt-x", tmp_path / "x", "cd" * 32, ["--backend", "eager"]).start()
 
 
 def test_zl_host_run_refuses_runtime_for_real_devices(small_export, capsys):
@@ -348,3 +348,29 @@ def test_kotlin_phone_hello_reports_its_budget(built, tmp_path):
     finally:
         budgeted.stop()
         plain.stop()
+
+
+def test_kotlin_phone_takes_link_shaping_options(built, tmp_path):
+    """--rate-mbit and --link-delay-ms reach DeviceMain (paced and delayed links: ShapedLinkTest in JUnit);
+    a phone started with them serves; a bad value is exit 2 with a one-line error."""
+    import socket
+    import subprocess
+
+    from host.kotlin_phone import java_command
+    from zl_mobile.protocol import host_handshake
+
+    shaped = ["--rate-mbit", "10", "--link-delay-ms", "5"]
+    cmd = java_command("kt-s", tmp_path / "s", "56" * 32, 0, "127.0.0.1", shaped)
+    assert cmd[-4:] == shaped
+    phone = KotlinPhone("kt-shaped", tmp_path / "k", "78" * 32, shaped).start()
+    try:
+        with socket.create_connection(("127.0.0.1", phone.port), timeout=10) as s:
+            s.settimeout(10)
+            assert host_handshake(s, phone.token, "zl-host")["name"] == "kt-shaped"
+    finally:
+        phone.stop()
+    for opt, val, why in [("--rate-mbit", "0", "--rate-mbit must be a number of Mbit/s above 0 (e.g. 20), got '0'"),
+                          ("--link-delay-ms", "-3", "--link-delay-ms must be >= 0, got '-3'")]:
+        r = subprocess.run(java_command("kt-b", tmp_path / "b", "56" * 32, 0, "127.0.0.1", [opt, val]),
+                           capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+        assert r.returncode == 2 and r.stderr.strip() == f"DeviceMain: error: {why}", r.stderr

@@ -3,13 +3,16 @@ package org.zerolock.core
 import org.zerolock.core.device.AffineChunkRunner
 import org.zerolock.core.device.DeviceInfo
 import org.zerolock.core.device.DeviceServer
+import org.zerolock.core.device.DelayLine
 import org.zerolock.core.device.HelloFacts
+import org.zerolock.core.device.LinkShaping
 import org.zerolock.core.device.ManifestRunnerFactory
 import org.zerolock.core.device.MemoryLimit
 import org.zerolock.core.device.RunnerFactory
 import org.zerolock.core.executorch.EtLibrary
 import org.zerolock.core.executorch.ExecuTorchBackend
 import org.zerolock.core.protocol.Handshake
+import org.zerolock.core.protocol.RateLimiter
 import java.io.File
 import java.net.InetAddress
 import java.nio.file.Files
@@ -21,7 +24,8 @@ import kotlin.system.exitProcess
  *
  *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.DeviceMain \
  *        [--runtime executorch|affine] [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME]
- *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--cpu-share F] [--detach]
+ *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--cpu-share F]
+ *        [--rate-mbit F] [--link-delay-ms F] [--detach]
  *
  * `--runtime executorch` (the default) runs the pushed chunk (zl-export's .pte + .ptd) through
  * ExecuTorch's C++ runtime (kotlin_app/jni, built by run_tests.sh); `affine` is the stand-in chunk
@@ -32,6 +36,8 @@ import kotlin.system.exitProcess
  * SIZE, as a phone's low-memory killer would, and is the budget HELLO reports (device/MemoryLimit.kt).
  * `--cpu-share F` only says, in HELLO's `cpu_share`, what the launcher that started this process
  * (zl_mobile.cpu_budget, host/kotlin_phone.py) holds it to; it limits nothing itself.
+ * `--rate-mbit F` paces what the stage links send to F Mbit/s (one token bucket for all, 64 KiB
+ * pieces) and `--link-delay-ms F` has each frame arriving on them seen F ms later, as zl-phone's.
  *
  * Prints `TOKEN <hex>`, `LISTENING <port>` and a zl-phone-like `NAME: listening on ADDR:PORT`
  * line once it accepts connections, then serves until stdin closes (the parent went away) or,
@@ -39,7 +45,7 @@ import kotlin.system.exitProcess
  */
 object DeviceMain {
     const val USAGE = "usage: DeviceMain [--runtime executorch|affine] [--port N] [--bind ADDR] [--token HEX64] [--name NAME] " +
-        "[--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--cpu-share F] [--detach]"
+        "[--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--cpu-share F] [--rate-mbit F] [--link-delay-ms F] [--detach]"
 
     /** What HELLO's runtime_version and the TXT record's `runtime` say, per --runtime. */
     fun runtimeLabel(runtime: String): String = if (runtime == "affine") "kotlin/affine" else "kotlin/executorch"
@@ -68,6 +74,8 @@ object DeviceMain {
         var heartbeatMs = 0
         var memLimit: Long? = null
         var cpuShare: Double? = null
+        var rateMbit: Double? = null
+        var linkDelayMs = 0.0
         var i = 0
         fun value(): String = args.getOrNull(++i) ?: throw UsageError("${args[i - 1]} needs a value")
         fun int(what: String, range: IntRange): Int = value().let { v ->
@@ -90,6 +98,12 @@ object DeviceMain {
                     // zl_mobile.cpu_budget.MIN_SHARE: the launcher refuses less
                     v.toDoubleOrNull()?.takeIf { it.isFinite() && it >= 0.1 }
                         ?: throw UsageError("--cpu-share must be a share of one core of at least 0.1 (e.g. 0.5), got '$v'")
+                }
+                "--rate-mbit" -> rateMbit = value().let { v ->
+                    v.toDoubleOrNull()?.takeIf { it.isFinite() && it > 0 } ?: throw UsageError("--rate-mbit must be a number of Mbit/s above 0 (e.g. 20), got '$v'")
+                }
+                "--link-delay-ms" -> linkDelayMs = value().let { v ->
+                    v.toDoubleOrNull()?.takeIf { it.isFinite() && it >= 0 } ?: throw UsageError("--link-delay-ms must be >= 0, got '$v'")
                 }
                 "--detach" -> detach = true
                 "-h", "--help" -> { println(USAGE); return }
@@ -121,6 +135,8 @@ object DeviceMain {
             log = { System.err.println("[device] $it") },
         )
         server.heartbeatPeriodMs = heartbeatMs.toLong()
+        server.linkShaping = LinkShaping(rateMbit?.let { RateLimiter(it * 1e6 / 8) },
+            if (linkDelayMs > 0) DelayLine(linkDelayMs) { System.err.println("[device] $it") } else null)
         val p = server.start(port, InetAddress.getByName(bind))
         println("TOKEN $tok")
         println("LISTENING $p")

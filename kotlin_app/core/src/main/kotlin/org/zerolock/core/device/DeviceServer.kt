@@ -66,6 +66,8 @@ class DeviceServer(
     @Volatile private var silent: FrameWriter? = null
     /** HEARTBEAT to the host every this many ms while a session is open, as zl-phone's 0.5 s (0: none). */
     var heartbeatPeriodMs: Long = 0
+    /** Stage links' shaping (DeviceMain --rate-mbit, --link-delay-ms); the host session is never shaped, as in zl_mobile. */
+    var linkShaping: LinkShaping = LinkShaping()
     /** No periodic heartbeat before this System.nanoTime() (hold-gil-in-phase1, [FaultInjector]). */
     @Volatile private var quietUntil = 0L
     @Volatile var stage: StageRuntime? = null
@@ -283,7 +285,7 @@ class DeviceServer(
         }
         val rt = try {
             StageRuntime(a, runner, checkpointDir, { hostWriter?.takeIf { it !== silent } }, stats, listener, bindAddress, log, bound,
-                onFailure = ::stageFailed, quiet = { ms -> quietUntil = System.nanoTime() + ms * 1_000_000 })
+                onFailure = ::stageFailed, quiet = { ms -> quietUntil = System.nanoTime() + ms * 1_000_000 }, shaping = linkShaping)
         } catch (e: Exception) {
             runner.close()
             try { bound?.close() } catch (_: IOException) {}

@@ -13,6 +13,7 @@ import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.Messages
 import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.RateLimiter
 import org.zerolock.core.protocol.deviceHandshake
 import org.zerolock.core.protocol.hostHandshake
 import java.io.IOException
@@ -46,6 +47,10 @@ class OutboundLink(
     /** The buffer's on-disk copy ([ReplayStore]); a restarted stage reloads what it had sent below [firstMb]. */
     private val store: ReplayStore? = null,
     firstMb: Long = 0,
+    /** Paces what this link sends (DeviceMain --rate-mbit, zl-phone's); null: unshaped. */
+    private val limiter: RateLimiter? = null,
+    /** What the downstream sends is seen this much later (--link-delay-ms), so the credit loop pays it too. */
+    private val delay: DelayLine? = null,
 ) : AutoCloseable {
     private val lock = Object()
     private val state = OutboundLinkState<Message>(name, windowSize, replayHorizon, pruneOnCommit).also { st ->
@@ -118,7 +123,7 @@ class OutboundLink(
                 s.tcpNoDelay = true
                 s.soTimeout = Handshake.HANDSHAKE_TIMEOUT_MS
                 reader = FrameReader(s.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
-                writer = FrameWriter(s.getOutputStream().buffered())
+                writer = FrameWriter(s.getOutputStream().buffered(), limiter)
                 hostHandshake(reader, writer, token, name)
                 s.soTimeout = stallMs
                 reader.maxFrame = maxFrame
@@ -169,12 +174,36 @@ class OutboundLink(
         try {
             while (true) {
                 val m = try { r.read() } catch (_: java.net.SocketTimeoutException) { continue } // quiet between frames
+                if (delay == null) handle(s, m) else delay.deliver {
+                    try {
+                        handle(s, m)
+                    } catch (e: ProtocolException) { // as below, from the delay line's thread
+                        log("$name: downstream link error: ${e.message}")
+                        try { w.write(e.toMessage()) } catch (_: Exception) {}
+                        closeQuietly(s)
+                        synchronized(lock) { lock.notifyAll() }
+                    }
+                }
+            }
+        } catch (e: ProtocolException) { // a bad frame (CREDIT 0, from > to), a stall or a lie: say so, then close
+            log("$name: downstream link error: ${e.message}")
+            try { w.write(e.toMessage()) } catch (_: Exception) {}
+        } catch (_: Exception) {
+        } finally {
+            closeQuietly(s)
+            synchronized(lock) { lock.notifyAll() }
+        }
+    }
+
+    /** One frame from the downstream, on connection [s]. */
+    private fun handle(s: Socket, m: Message) {
                 var error: String? = null
                 var committed: Map<String, Any?>? = null
                 synchronized(lock) {
+                    val current = sock === s // a delayed credit or request of a dropped connection is void (zl_mobile)
                     when (m.type) {
-                        MsgType.CREDIT -> state.onCredit(m.long("credits"))
-                        MsgType.REPLAY_REQUEST -> error = state.onReplayRequest(m.long("from_micro_batch"))
+                        MsgType.CREDIT -> if (current) state.onCredit(m.long("credits"))
+                        MsgType.REPLAY_REQUEST -> if (current) error = state.onReplayRequest(m.long("from_micro_batch"))
                         MsgType.CHECKPOINT_COMMITTED -> {
                             // a commit past what was sent on this link is a lie: ERROR, nothing pruned
                             state.onCommitted(m.long("window"))?.let { throw ProtocolException(ErrorCode.UNEXPECTED, it) }
@@ -188,14 +217,44 @@ class OutboundLink(
                 }
                 error?.let(onError) // never silently skipped
                 committed?.let(onCommitted)
+    }
+}
+
+/** A device's stage-link shaping, shared by all its links (one limiter shapes their sum, as zl-phone's). */
+class LinkShaping(val limiter: RateLimiter? = null, val delay: DelayLine? = null)
+
+/**
+ * Hands each arriving frame on [delayMs] after it arrived, in arrival order, without holding up
+ * the receiving thread: the one-way latency of an emulated phone's link (--link-delay-ms), as
+ * zl_mobile/links.py's DelayLine. Frames keep arriving at the link's rate; each is seen later.
+ */
+class DelayLine(val delayMs: Double, private val log: (String) -> Unit = {}) {
+    init { require(delayMs >= 0) { "link delay must be >= 0 ms, got $delayMs" } }
+    private val items = ArrayDeque<Pair<Long, () -> Unit>>()
+    private val lock = Object()
+
+    init {
+        Thread({ run() }, "zl-link-delay").also { it.isDaemon = true; it.start() }
+    }
+
+    fun deliver(action: () -> Unit) = synchronized(lock) {
+        items.addLast(System.nanoTime() + (delayMs * 1e6).toLong() to action)
+        lock.notifyAll()
+    }
+
+    private fun run() {
+        while (true) {
+            val (due, action) = synchronized(lock) {
+                while (items.isEmpty()) lock.wait()
+                items.removeFirst()
             }
-        } catch (e: ProtocolException) { // a bad frame (CREDIT 0, from > to), a stall or a lie: say so, then close
-            log("$name: downstream link error: ${e.message}")
-            try { w.write(e.toMessage()) } catch (_: Exception) {}
-        } catch (_: Exception) {
-        } finally {
-            closeQuietly(s)
-            synchronized(lock) { lock.notifyAll() }
+            val waitNs = due - System.nanoTime()
+            if (waitNs > 0) Thread.sleep(waitNs / 1_000_000, (waitNs % 1_000_000).toInt())
+            try {
+                action()
+            } catch (e: Exception) { // a consumer's failure must not stop later deliveries
+                log("link delay: delivering a frame failed: $e")
+            }
         }
     }
 }
@@ -222,6 +281,8 @@ class InboundLink(
     private val stallMs: Int = LinkRules.STALL_MS,
     /** Why the stage can never use this HIDDEN_STATE (null: it can); checked before it is kept. */
     private val unusable: (Message) -> String? = { null },
+    /** Hidden states are queued this much after they arrived (--link-delay-ms); null: at once. */
+    private val delay: DelayLine? = null,
 ) : AutoCloseable {
     private val auth = DeviceAuth(token, name)
     private val server = listener ?: bindListener(bind, port)
@@ -276,7 +337,7 @@ class InboundLink(
                 }
                 unusable(m)?.let { throw ProtocolException(ErrorCode.UNEXPECTED, "HIDDEN_STATE for micro-batch $mb on $name: $it; it was not kept") }
                 bytesReceived += m.tensors.values.sumOf { it.data.size.toLong() }
-                queue.put(m.long("micro_batch"), m)
+                if (delay == null) queue.put(mb, m) else delay.deliver { queue.put(mb, m) }
             }
         } catch (e: ProtocolException) {
             log("$name: upstream link error: ${e.message}")

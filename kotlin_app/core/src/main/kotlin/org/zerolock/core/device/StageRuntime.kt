@@ -116,6 +116,8 @@ class StageRuntime(
     private val onFailure: (StageRuntime, String) -> Unit = { _, _ -> },
     /** The device sends no periodic heartbeat for this many ms (hold-gil-in-phase1, [FaultInjector]). */
     private val quiet: (Long) -> Unit = {},
+    /** The device's link shaping (DeviceMain --rate-mbit, --link-delay-ms), as zl-phone's: outgoing paced, incoming delayed. */
+    private val shaping: LinkShaping = LinkShaping(),
 ) {
     val windows = UpdateWindows(assignment.windowSize)
     private val checkpointFile = File(checkpointDir, "stage${assignment.stage}-${assignment.runId}.ckpt")
@@ -147,12 +149,12 @@ class StageRuntime(
         listener = dataListener, maxFrame = linkMaxFrame, unusable = { m ->
             org.zerolock.core.LinkRules.unusable(m.long("micro_batch"), m.long("window"), nextMicroBatch,
                 assignment.inflightDepth, assignment.windowSize, assignment.totalMicroBatches)
-        })
+        }, delay = shaping.delay)
     val outbound: OutboundLink? = assignment.downstreamToken?.let { token ->
         OutboundLink("stage${assignment.stage}-out", token, assignment.windowSize, assignment.replayHorizon,
             onError = { reportError(it) }, log = log, maxFrame = linkMaxFrame,
             store = ReplayStore(File(checkpointDir, "stage${assignment.stage}-${assignment.runId}.replay")),
-            firstMb = nextMicroBatch).also { it.setAddress(assignment.downstream) }
+            firstMb = nextMicroBatch, limiter = shaping.limiter, delay = shaping.delay).also { it.setAddress(assignment.downstream) }
     }
     val dataPort: Int get() = inbound.port
 

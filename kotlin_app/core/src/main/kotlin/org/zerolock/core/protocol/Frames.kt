@@ -219,10 +219,22 @@ class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PR
 }
 
 /** Writes frames to a stream; thread-safe (one frame at a time). */
-class FrameWriter(private val output: OutputStream) {
+class FrameWriter(private val output: OutputStream, private val limiter: RateLimiter? = null) {
     @Synchronized
     fun write(m: Message) {
-        output.write(Frames.encode(m))
+        val frame = Frames.encode(m)
+        if (limiter == null) {
+            output.write(frame)
+        } else { // paced: RateLimiter.PIECE bytes at a time, each flushed once the bucket allows it (zl_mobile's _send)
+            var off = 0
+            while (off < frame.size) {
+                val n = minOf(RateLimiter.PIECE, frame.size - off)
+                limiter.consume(n)
+                output.write(frame, off, n)
+                output.flush()
+                off += n
+            }
+        }
         output.flush()
     }
 }
