@@ -255,6 +255,29 @@ class DeviceServerTest {
     }
 
     @Test
+    fun `a schedule or recovery this core cannot run is refused, not run as zerolock`(@TempDir dir: File) {
+        server(dir).use { srv ->
+            val port = srv.start(0, InetAddress.getLoopbackAddress())
+            Conn(port).use { c ->
+                hostHandshake(c.r, c.w, token, "h"); c.r.maxFrame = Frames.DEFAULT_MAX_FRAME
+                val base = assign(5).meta
+                for ((change, words) in listOf(
+                        mapOf<String, Any?>("schedule" to "gpipe") to "runs only the zerolock schedule",
+                        mapOf<String, Any?>("config" to mapOf("lr" to 0.05, "keep_checkpoints" to 7)) to "global rollback",
+                        mapOf<String, Any?>("config" to mapOf("lr" to 0.05, "restart" to true, "rollback_to_window" to 2)) to "global rollback")) {
+                    c.w.write(Message(MsgType.STAGE_ASSIGN, LinkedHashMap(base).also { it.putAll(change) }))
+                    val r = reply(c)
+                    assertEquals(MsgType.ERROR, r.type, r.toString()); assertEquals("REJECTED", r.string("code"))
+                    assertTrue(words in r.string("message"), r.string("message"))
+                }
+                c.w.write(Message(MsgType.STAGE_ASSIGN, LinkedHashMap(base).also { it["schedule"] = "zerolock"; it["request_id"] = 6 }))
+                assertTrue(reply(c).bool("ok"))
+                c.w.write(Message(MsgType.SHUTDOWN, mapOf("reason" to "done")))
+            }
+        }
+    }
+
+    @Test
     fun `a slowloris handshake times out however steadily it trickles`(@TempDir dir: File) {
         server(dir).use { srv ->
             srv.handshakeTimeoutMs = 1000

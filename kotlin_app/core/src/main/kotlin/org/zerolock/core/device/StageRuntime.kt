@@ -62,6 +62,16 @@ class StageAssignment(val msg: Message) {
             reject("STAGE_ASSIGN for stage $stage lacks upstream_token: the stage needs the pairing token of its upstream link (section 6) to accept it")
         }
         if (downstream != null && downstreamToken == null) reject("downstream $downstream given without downstream_token")
+        // what this core cannot do is refused, never run as something else (kotlin_app/README.md)
+        val schedule = msg.meta["schedule"] ?: "zerolock"
+        if (schedule != "zerolock") {
+            reject("schedule $schedule: this phone's core runs only the zerolock schedule; run the BP baselines on zl-phone (--runtime python)")
+        }
+        val keep = (config["keep_checkpoints"] as? Number)?.toLong() ?: 1L
+        if (keep > 1 || config["rollback_to_window"] != null) {
+            reject("global rollback (keep_checkpoints $keep, rollback_to_window ${config["rollback_to_window"]}): this phone's core keeps one " +
+                "checkpoint per stage and recovers locally; use --recovery local, or zl-phone (--runtime python)")
+        }
     }
 }
 
