@@ -118,9 +118,12 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
         for r in seen:  # what any look found, for the message if none is enough (one look may miss some)
             ever[(r.source, r.endpoint, r.serial, r.instance)] = r
         if names is not None:
-            picked = [pick(n, usable) for n in names]
+            # over every look so far, and not before a second one: one look, on a loaded network, may
+            # hear only one of two namesakes, and a name is never guessed between them
+            pool = [r for r in ever.values() if reachable(r)]
+            picked = [pick(n, pool) for n in names]
             unknown = [n for n, r in zip(names, picked) if r is None]
-            if not unknown:
+            if not unknown and looks >= 2:
                 chosen = picked
                 break
         else:
