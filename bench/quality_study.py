@@ -262,7 +262,8 @@ def plot(summary, path):
         ax.set_xlabel("learning rate (seed 0, sweep budget)")
         ax.set_ylabel(f"validation {METRIC[task].replace('_', ' ')}")
         ax.set_title(f"{task}: LR sweep")
-        ax.legend(fontsize=7)
+        if t["sweep"]:  # a task with no sweep cell yet has nothing to label
+            ax.legend(fontsize=7)
     for ax, (task, t) in zip(axes[0], sorted(summary.items())):
         methods = sorted({k.rsplit("|", 1)[0] for k in t["test"] if not k.startswith("zero-shot")})
         for i, m in enumerate(methods):
