@@ -31,6 +31,17 @@ def built():
     return classpath()  # builds the Kotlin core and the bridge (never installs: a missing toolchain fails)
 
 
+def assert_same_training(result, records, base, windows: int, recoveries: int | None = 1) -> None:
+    """Every stage committed every window once, `recoveries` recoveries caught up, and the LoRA is
+    the uninterrupted run's bit for bit (the same windows, applied once, in order)."""
+    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
+        [(k, w) for k in range(3) for w in range(windows)]
+    if recoveries is not None:
+        assert len(result["recoveries"]) == recoveries and all(r["caught_up"] for r in result["recoveries"])
+    for n in base["lora"]:
+        assert np.array_equal(result["lora"][n], base["lora"][n]), n
+
+
 def _run(export_dir: Path, root: Path, runtimes: list[str], phones_out: list | None = None, settings=None, on_event=None):
     from host.coordinator import Coordinator
 
@@ -160,11 +171,7 @@ def test_kill_9_of_a_kotlin_phone_mid_run_ends_with_the_uninterrupted_lora(small
                            settings=RunSettings(windows=6, window_size=2, lr=2e-2, inflight_depth=2))
     assert killed
     assert [d["stage"] for k, d in events if k == "failure"] == [stage]
-    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
-        [(k, w) for k in range(3) for w in range(6)]
-    assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
-    for n in base["lora"]:  # the same windows, applied once, in order: bit for bit
-        assert np.array_equal(result["lora"][n], base["lora"][n]), n
+    assert_same_training(result, records, base, windows=6)
 
 
 def test_kill_9_of_a_kotlin_upstream_that_ran_ahead_replays_from_disk(small_export, built, tmp_path_factory):
@@ -195,11 +202,7 @@ def test_kill_9_of_a_kotlin_upstream_that_ran_ahead_replays_from_disk(small_expo
     result, records = _run(small_export[0], tmp_path_factory.mktemp("ahead"), runtimes, phones_out=phones,
                            on_event=on_event, settings=settings())
     assert killed and behind[0] < 3, f"stage 2 had committed window {behind} when stage 1 was killed: not behind"
-    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
-        [(k, w) for k in range(3) for w in range(8)]
-    assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
-    for n in base["lora"]:
-        assert np.array_equal(result["lora"][n], base["lora"][n]), n
+    assert_same_training(result, records, base, windows=8)
 
 
 # An injected failure at each point (zl_mobile.stage FAILURE_POINTS; the Kotlin core's FaultInjector),
@@ -259,11 +262,7 @@ def test_an_injected_failure_ends_with_the_uninterrupted_lora(small_export, base
     assert f"stage {stage}: injected failure ({mode}) at {point} of window 2" in log
     if phone.runtime == "kotlin" and point == "mid-checkpoint":
         assert "left a half-written checkpoint" in log
-    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
-        [(k, w) for k in range(3) for w in range(6)]
-    assert len(result["recoveries"]) == 1 and result["recoveries"][0]["caught_up"]
-    for n in base["lora"]:  # the same windows, applied once, in order: bit for bit
-        assert np.array_equal(result["lora"][n], base["lora"][n]), n
+    assert_same_training(result, records, base, windows=6)
 
 
 def test_a_stalled_kotlin_phase_is_not_taken_for_a_dead_phone(small_export, baselines, tmp_path):
@@ -282,10 +281,7 @@ def test_a_stalled_kotlin_phase_is_not_taken_for_a_dead_phone(small_export, base
     stalled = [r for r in records if r["type"] == "TELEMETRY" and r.get("kind") == "micro_batch"
                and (r["stage"], r["window"]) == (1, 1)]
     assert max(r["phase1_end"] - r["phase1_start"] for r in stalled) >= 3.0  # the stall did happen
-    assert sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED") == \
-        [(k, w) for k in range(3) for w in range(6)]
-    for n in base["lora"]:
-        assert np.array_equal(result["lora"][n], base["lora"][n]), n
+    assert_same_training(result, records, base, windows=6, recoveries=None)
 
 
 def test_kotlin_phone_mem_limit_kills_and_bad_size_is_refused(built, tmp_path):
