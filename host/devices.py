@@ -117,18 +117,16 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
         usable = [r for r in seen if reachable(r)]
         for r in seen:  # what any look found, for the message if none is enough (one look may miss some)
             ever[(r.source, r.endpoint, r.serial, r.instance)] = r
+        # choices are made over every look so far, and not before a second one: one look, on a loaded
+        # network, may hear only one of two namesakes, and a name is never guessed between them
+        pool = [r for r in ever.values() if reachable(r)]
         if names is not None:
-            # over every look so far, and not before a second one: one look, on a loaded network, may
-            # hear only one of two namesakes, and a name is never guessed between them
-            pool = [r for r in ever.values() if reachable(r)]
             picked = [pick(n, pool) for n in names]
             unknown = [n for n, r in zip(names, picked) if r is None]
             if not unknown and looks >= 2:
                 chosen = picked
                 break
         else:
-            # namesakes over every look so far: one look, on a loaded network, may hear only one of two
-            pool = [r for r in ever.values() if reachable(r)]
             shared = {r.name for r in pool if sum(name_key(o.name) == name_key(r.name) for o in pool) > 1}
             alike |= shared
             chosen = [r for r in usable if r.name in tokens and r.name not in shared][:need]

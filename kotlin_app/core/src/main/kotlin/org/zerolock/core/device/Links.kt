@@ -163,8 +163,7 @@ class OutboundLink(
                 if (stopped || s.isClosed) return
                 state.takeNext()!!.second
             }
-            val bytes = Frames.encode(m).size
-            w.write(m)
+            val bytes = w.write(m) // the frame's size, from the one encode that sends it
             framesSent += 1
             bytesSent += bytes
         }
@@ -175,24 +174,24 @@ class OutboundLink(
             while (true) {
                 val m = try { r.read() } catch (_: java.net.SocketTimeoutException) { continue } // quiet between frames
                 if (delay == null) handle(s, m) else delay.deliver {
-                    try {
-                        handle(s, m)
-                    } catch (e: ProtocolException) { // as below, from the delay line's thread
-                        log("$name: downstream link error: ${e.message}")
-                        try { w.write(e.toMessage()) } catch (_: Exception) {}
-                        closeQuietly(s)
-                        synchronized(lock) { lock.notifyAll() }
-                    }
+                    try { handle(s, m) } catch (e: ProtocolException) { fail(s, w, e) } // from the delay line's thread
                 }
             }
         } catch (e: ProtocolException) { // a bad frame (CREDIT 0, from > to), a stall or a lie: say so, then close
-            log("$name: downstream link error: ${e.message}")
-            try { w.write(e.toMessage()) } catch (_: Exception) {}
+            fail(s, w, e)
         } catch (_: Exception) {
         } finally {
             closeQuietly(s)
             synchronized(lock) { lock.notifyAll() }
         }
+    }
+
+    /** A downstream that broke the link's rules: ERROR to it, then the connection closes. */
+    private fun fail(s: Socket, w: FrameWriter, e: ProtocolException) {
+        log("$name: downstream link error: ${e.message}")
+        try { w.write(e.toMessage()) } catch (_: Exception) {}
+        closeQuietly(s)
+        synchronized(lock) { lock.notifyAll() }
     }
 
     /** One frame from the downstream, on connection [s]. */

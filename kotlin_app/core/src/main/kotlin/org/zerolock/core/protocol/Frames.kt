@@ -220,8 +220,9 @@ class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PR
 
 /** Writes frames to a stream; thread-safe (one frame at a time). */
 class FrameWriter(private val output: OutputStream, private val limiter: RateLimiter? = null) {
+    /** Sends [m] as one frame; returns its size in bytes (what the link counts as sent). */
     @Synchronized
-    fun write(m: Message) {
+    fun write(m: Message): Int {
         val frame = Frames.encode(m)
         if (limiter == null) {
             output.write(frame)
@@ -236,6 +237,7 @@ class FrameWriter(private val output: OutputStream, private val limiter: RateLim
             }
         }
         output.flush()
+        return frame.size
     }
 }
 
