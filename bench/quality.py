@@ -48,6 +48,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
@@ -75,10 +76,14 @@ DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
 KEEP = "### Issue 32 study"  # bench/quality_study.py's sub-section after the generated part, kept on re-render
 METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra", "zl0.5-lens", "zl1-lens", "zl-rising-lens", "zl-last1-lens",
-           "zl-pipeline")
+           "zl-lastonly-lens", "zl-last3x-lens", "zl-pipeline")
 # alpha per method; a tuple is per chunk (the seed review's suggestion: more task weight deeper down)
 ALPHAS = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5, "zl0.5-lens": 0.5, "zl1-lens": 1.0,
-          "zl-rising-lens": (0.5, 0.75, 1.0), "zl-last1-lens": (0.5, 0.5, 1.0)}
+          "zl-rising-lens": (0.5, 0.75, 1.0), "zl-last1-lens": (0.5, 0.5, 1.0),
+          "zl-lastonly-lens": (0.5, 0.5, 1.0), "zl-last3x-lens": (0.5, 0.5, 1.0)}
+# LR per chunk, as a multiple of the method's LR (issue 32's "rank or LR per chunk"); 0 leaves a
+# chunk's adapters as they start (lastonly: what the last chunk alone makes of the task)
+LR_SCALES = {"zl-lastonly-lens": (0.0, 0.0, 1.0), "zl-last3x-lens": (1.0, 1.0, 3.0)}
 RA_RANK = 64
 
 
@@ -190,6 +195,13 @@ class Trainer:
             self.opt = AdamW(self.data, AdamWConfig(lr=lr))
         elif method.endswith("-lens"):
             self.readout = LensReadout(pm, lenses)
+        self.lr_scales = LR_SCALES.get(method, (1.0,) * len(CHUNKS))
+        if method in LR_SCALES:  # one optimizer per chunk, at its own LR; none where it is 0
+            groups = {}
+            for n in self.data:
+                groups.setdefault(chunk_of(n), {})[n] = self.data[n]
+            self.opt = [AdamW(g, AdamWConfig(lr=lr * self.lr_scales[k])) for k, g in sorted(groups.items())
+                        if self.lr_scales[k] > 0]
         if self.alpha is not None:
             self.alphas = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,) * len(CHUNKS)
             cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alphas[0])
@@ -225,7 +237,8 @@ class Trainer:
                 logp = F.log_softmax(llama.lm_head(self.readout.u(k, h[valid])), dim=-1)
                 ce = F.nll_loss(logp, y)
                 kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-                (self.alphas[k] * ce + (1 - self.alphas[k]) * kl).backward()
+                if self.lr_scales[k] > 0:
+                    (self.alphas[k] * ce + (1 - self.alphas[k]) * kl).backward()
                 losses[f"task_{k}"], losses[f"consis_{k}"] = float(ce.detach()), float(kl.detach())
                 logq, h_in = logp.detach(), h.detach()
         else:  # ZeroLock: each chunk its local loss, on the upstream chunk's detached h
@@ -246,7 +259,15 @@ class Trainer:
         return losses
 
     def end_window(self, window):
-        self.opt.step(self.acc.mean(window))
+        grads = self.acc.mean(window)
+        for opt in self.opt if isinstance(self.opt, list) else [self.opt]:
+            opt.step({n: grads[n] for n in opt.params})
+
+
+def chunk_of(name: str) -> int:
+    """The chunk (CHUNKS) whose layer a LoRA parameter's name says it is in."""
+    layer = int(re.search(r"\blayers\.(\d+)\.", name).group(1))
+    return next(k for k, (first, last) in enumerate(CHUNKS) if first <= layer <= last)
 
 
 def make_readout_adapters(d, n, rank=RA_RANK):

@@ -88,3 +88,12 @@ def test_the_report_says_where_the_chosen_lr_lies(tmp_path):
     assert t["seeds"] == [0, 1] and abs(t["mean"] - 0.85) < 1e-9 and abs(t["std"] - 0.0707) < 1e-3
     runs[1]["eval"]["chunk_2"]["answer_nll"] = 0.9  # now 1e-2 wins: the top of the sweep
     assert "-> 0.01 (AT THE EDGE of the sweep)" in QS.markdown(QS.summarise(runs, [1e-3, 3e-3, 1e-2]), None)
+
+
+def test_each_lora_parameter_belongs_to_the_chunk_of_its_layer():
+    from bench import quality as Q
+
+    name = "base_model.model.model.layers.{}.self_attn.q_proj.lora_A.default.weight"
+    assert [Q.chunk_of(name.format(i)) for i in (0, 9, 10, 19, 20, 29)] == [0, 0, 1, 1, 2, 2]
+    # every method with an LR per chunk names one for each chunk
+    assert all(len(s) == len(Q.CHUNKS) for s in Q.LR_SCALES.values())
