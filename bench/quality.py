@@ -76,14 +76,14 @@ DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
 KEEP = "### Issue 32 study"  # bench/quality_study.py's sub-section after the generated part, kept on re-render
 METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra", "zl0.5-lens", "zl1-lens", "zl-rising-lens", "zl-last1-lens",
-           "zl-lastonly-lens", "zl-last3x-lens", "zl-pipeline")
+           "zl-lastonly-lens", "zl-last3x-lens", "zl-early0.1x-lens", "zl-pipeline")
 # alpha per method; a tuple is per chunk (the seed review's suggestion: more task weight deeper down)
 ALPHAS = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5, "zl0.5-lens": 0.5, "zl1-lens": 1.0,
           "zl-rising-lens": (0.5, 0.75, 1.0), "zl-last1-lens": (0.5, 0.5, 1.0),
-          "zl-lastonly-lens": (0.5, 0.5, 1.0), "zl-last3x-lens": (0.5, 0.5, 1.0)}
+          "zl-lastonly-lens": (0.5, 0.5, 1.0), "zl-last3x-lens": (0.5, 0.5, 1.0), "zl-early0.1x-lens": (0.5, 0.5, 1.0)}
 # LR per chunk, as a multiple of the method's LR (issue 32's "rank or LR per chunk"); 0 leaves a
 # chunk's adapters as they start (lastonly: what the last chunk alone makes of the task)
-LR_SCALES = {"zl-lastonly-lens": (0.0, 0.0, 1.0), "zl-last3x-lens": (1.0, 1.0, 3.0)}
+LR_SCALES = {"zl-lastonly-lens": (0.0, 0.0, 1.0), "zl-last3x-lens": (1.0, 1.0, 3.0), "zl-early0.1x-lens": (0.1, 0.1, 1.0)}
 RA_RANK = 64
 
 
