@@ -177,6 +177,18 @@ def _alphas(text: str) -> float | list:
     return vals[0] if len(vals) == 1 else vals
 
 
+def _lrs(text: str) -> float | list:
+    """'2e-3' -> 0.002; '3e-4,3e-4,3e-3' -> one per stage; each in (0, 100], as the phones' STAGE_ASSIGN rule."""
+    try:
+        vals = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or one per stage (3e-4,3e-4,3e-3), got {text}") from None
+    bad = [v for v in vals if not 0 < v <= 100]
+    if bad:
+        raise argparse.ArgumentTypeError(f"{bad[0]:g} is not a learning rate: give values above 0 and at most 100")
+    return vals[0] if len(vals) == 1 else vals
+
+
 def _non_negative(text: str) -> float:
     v = float(text)
     if v < 0:
@@ -217,7 +229,8 @@ def build_parser():
     r.add_argument("--replay-horizon", type=int, default=None,
                    help="most hidden states a stage holds for its downstream's replay; when full it waits for the "
                         "downstream to commit (default 2 x window + in-flight depth; at least one window)")
-    r.add_argument("--lr", type=float, default=2e-3)
+    r.add_argument("--lr", type=_lrs, default=2e-3,
+                   help="AdamW's learning rate: one value, or one per stage (3e-4,3e-4,3e-3: the early stages slower)")
     r.add_argument("--alpha", type=_alphas, default=None,
                    help="override the export's task/consistency blend: one value, or one per stage (0.5,0.75,1: more "
                         "task weight deeper down, which measured best on SmolLM2; docs/BENCHMARKS.md, Quality)")

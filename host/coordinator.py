@@ -151,7 +151,7 @@ class Coordinator:
     def _assign(self, st: StageState, rollback_to: int | None = None) -> None:
         s = self.settings
         nxt = self.stages[st.k + 1] if st.k + 1 < len(self.stages) else None
-        conf = {"lr": s.lr, "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches,
+        conf = {"lr": s.lr_for(st.k), "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches,
                 "busy_ms": int(s.compute_timeout * 1000)}
         if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
             conf["keep_checkpoints"] = self.horizon // s.window_size + 3

@@ -14,7 +14,7 @@ class RunSettings:
     window_size: int = 4          # micro-batches per window
     inflight_depth: int = 2       # hidden states in flight between neighbours
     replay_horizon: int | None = None  # most hidden states an upstream holds for replay (default: default_horizon)
-    lr: float = 2e-3
+    lr: float | list = 2e-3       # one for every stage, or one per stage
     weight_decay: float = 0.0
     alpha: float | list | None = None  # override of the export's alpha: one for every stage, or one per stage
     heartbeat_timeout: float = 5.0
@@ -29,10 +29,15 @@ class RunSettings:
     def alpha_for(self, stage: int) -> float | None:
         return self.alpha[stage] if isinstance(self.alpha, list) else self.alpha
 
-    def checked_alpha(self, num_stages: int) -> None:
-        if isinstance(self.alpha, list) and len(self.alpha) != num_stages:
-            raise PlanError(f"--alpha gives {len(self.alpha)} values for {num_stages} stages; give one for every "
-                            f"stage, or one per stage")
+    def lr_for(self, stage: int) -> float:
+        return self.lr[stage] if isinstance(self.lr, list) else self.lr
+
+    def checked_per_stage(self, num_stages: int) -> None:
+        """--alpha and --lr lists name one value per stage."""
+        for opt, v in (("--alpha", self.alpha), ("--lr", self.lr)):
+            if isinstance(v, list) and len(v) != num_stages:
+                raise PlanError(f"{opt} gives {len(v)} values for {num_stages} stages; give one for every "
+                                f"stage, or one per stage")
 
     @property
     def horizon(self) -> int:

@@ -23,7 +23,7 @@ class RunConfig:
     held_out: float = HELD_OUT
     inflight: int = 2
     replay_horizon: int | None = None
-    lr: float = 2e-3
+    lr: float | list = 2e-3  # one value or one per stage
     alpha: float | list | None = None  # override of the export's alpha: one value or one per stage
     out: str | None = None             # run dir (default runs/TIMESTAMP)
     resume: str | None = None          # continue the run in this dir (its run.json wins over the rest)

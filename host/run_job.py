@@ -134,7 +134,7 @@ def resolve(cfg: RunConfig) -> Job:
             job.devices = ",".join(job.plan["devices"])
     try:
         settings.checked_horizon(job.stages)  # before any phone starts
-        settings.checked_alpha(job.stages)
+        settings.checked_per_stage(job.stages)
     except PlanError as e:
         raise CliError(str(e)) from None
     run_dir.mkdir(parents=True, exist_ok=True)

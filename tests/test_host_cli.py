@@ -276,6 +276,37 @@ def test_alpha_per_stage_reaches_each_stage(small_export, data_file, tmp_path, c
     assert "1.5 is outside [0, 1]" in capsys.readouterr().err
 
 
+def test_lr_per_stage_reaches_each_stage(small_export, data_file, tmp_path, capsys):
+    """--lr 1e-6,1e-4,1e-2: each stage's AdamW steps at its own rate. LoRA B starts at zero and
+    Adam's first step moves an element by at most the LR (by about it where the gradient is not
+    tiny), so after one step stage k's B is bounded by, and reaches near, lr_k; a list of the
+    wrong length or a rate the phones refuse is refused first."""
+    import re
+
+    from safetensors.numpy import load_file
+
+    lrs = (1e-6, 1e-4, 1e-2)
+    run = tmp_path / "run"
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
+                 "--steps", "1", "--window", "2", "--lr", ",".join(map(str, lrs)), "--out", str(run)]) == 0
+    assert json.loads((run / "run.json").read_text())["settings"]["lr"] == list(lrs)
+    stage_of = {layer: k for k, c in enumerate(small_export[1]["chunks"]) for layer in range(c["layers"][0], c["layers"][1] + 1)}
+    moved = {}
+    for name, t in load_file(str(run / "adapter" / "adapter_model.safetensors")).items():
+        if "lora_B" in name:
+            k = stage_of[int(re.search(r"layers\.(\d+)\.", name).group(1))]
+            moved[k] = max(moved.get(k, 0.0), float(np.abs(t).max()))
+    assert sorted(moved) == [0, 1, 2]
+    for k, lr in enumerate(lrs):
+        assert 0.5 * lr < moved[k] <= lr * 1.001, (k, moved[k], lr)
+    assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
+                 "--lr", "1e-3,1e-3", "--out", str(tmp_path / "r2")]) == 2
+    assert "--lr gives 2 values for 3 stages" in _error_line(capsys)
+    with pytest.raises(SystemExit):
+        main(["run", "--program", str(small_export[0]), "--lr", "1e-3,0,1e-3"])
+    assert "0 is not a learning rate" in capsys.readouterr().err
+
+
 def test_link_options_need_emulated_phones(small_export, data_file, tmp_path, capsys):
     assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "auto",
                  "--link-mbit", "50", "--out", str(tmp_path / "r")]) == 2
