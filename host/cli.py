@@ -165,28 +165,28 @@ def _fraction(text: str) -> float:
     return v
 
 
-def _alphas(text: str) -> float | list:
-    """'0.5' -> 0.5; '0.5,0.75,1' -> [0.5, 0.75, 1.0]; each in [0, 1]."""
+def _per_stage(text: str, example: str, ok, refusal: str) -> float | list:
+    """'x' -> x; 'x0,x1,...' -> one per stage; each value must pass `ok`, else `refusal` (with {v})."""
     try:
         vals = [float(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number or one per stage (0.5,0.75,1), got {text}") from None
-    bad = [v for v in vals if not 0 <= v <= 1]
+        raise argparse.ArgumentTypeError(f"must be a number or one per stage ({example}), got {text}") from None
+    bad = [v for v in vals if not ok(v)]
     if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]:g} is outside [0, 1]: the local loss is alpha*CE + (1-alpha)*KL")
+        raise argparse.ArgumentTypeError(refusal.format(v=f"{bad[0]:g}"))
     return vals[0] if len(vals) == 1 else vals
+
+
+def _alphas(text: str) -> float | list:
+    """'0.5' -> 0.5; '0.5,0.75,1' -> [0.5, 0.75, 1.0]; each in [0, 1]."""
+    return _per_stage(text, "0.5,0.75,1", lambda v: 0 <= v <= 1,
+                      "{v} is outside [0, 1]: the local loss is alpha*CE + (1-alpha)*KL")
 
 
 def _lrs(text: str) -> float | list:
     """'2e-3' -> 0.002; '3e-4,3e-4,3e-3' -> one per stage; each in (0, 100], as the phones' STAGE_ASSIGN rule."""
-    try:
-        vals = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number or one per stage (3e-4,3e-4,3e-3), got {text}") from None
-    bad = [v for v in vals if not 0 < v <= 100]
-    if bad:
-        raise argparse.ArgumentTypeError(f"{bad[0]:g} is not a learning rate: give values above 0 and at most 100")
-    return vals[0] if len(vals) == 1 else vals
+    return _per_stage(text, "3e-4,3e-4,3e-3", lambda v: 0 < v <= 100,
+                      "{v} is not a learning rate: give values above 0 and at most 100")
 
 
 def _non_negative(text: str) -> float:
