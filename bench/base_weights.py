@@ -1,14 +1,14 @@
-"""fp32 against int8 base weights on one chunk, side by side (not a test).
+"""fp32 against int8 and / or int4 base weights on one chunk, side by side (not a test).
 
-Two exports of the same model and chunks, one with --base-weights fp32 and one with int8. For each,
+Exports of the same model and chunks with --base-weights fp32, int8, int4. For each,
 a fresh process loads chunk K's ZeroLock program (ExecuTorch, XNNPACK) and runs phase 1 + phase 2
 on the same micro-batches; the parent samples its PSS from outside (bench.common.run_sampled).
-Runs alternate fp32 / int8 `--reps` times, so machine drift hits both alike. Prints, in one run:
+Runs alternate fp32 / int8 / int4 `--reps` times, so machine drift hits both alike. Prints, in one run:
 step time (median over steps after the first), peak PSS, the PSS of the mapped weights (.ptd),
-and the int8 / fp32 ratios; the local loss of each export on the same batch (how far the int8
+and the ratios to fp32; the local loss of each export on the same batch (how far the quantized
 base moves it). Results: bench/results/base_weights.json; docs/BENCHMARKS.md, "Base weights".
 
-  python bench/base_weights.py --fp32 /tmp/tl_export --int8 /tmp/tl_export_int8 --chunk 1"""
+  python bench/base_weights.py --fp32 /tmp/tl_export --int8 /tmp/tl_export_int8 --int4 /tmp/tl_export_int4 --chunk 1"""
 from __future__ import annotations
 
 import argparse
@@ -83,7 +83,8 @@ def profile(export: Path, chunk: int, out: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fp32", type=Path, required=True, help="export with --base-weights fp32")
-    ap.add_argument("--int8", type=Path, required=True, help="the same export with --base-weights int8")
+    ap.add_argument("--int8", type=Path, help="the same export with --base-weights int8")
+    ap.add_argument("--int4", type=Path, help="the same export with --base-weights int4")
     ap.add_argument("--chunk", type=int, default=1)
     ap.add_argument("--steps", type=int, default=4, help="steps per process (the first is not timed)")
     ap.add_argument("--reps", type=int, default=2, help="fresh processes per variant, alternated")
@@ -100,14 +101,17 @@ def main() -> int:
         export, chunk, steps, out = a.worker
         worker(Path(export), int(chunk), int(steps), Path(out))
         return 0
+    exports = {"fp32": a.fp32, **{v: e for v, e in (("int8", a.int8), ("int4", a.int4)) if e}}
+    if len(exports) < 2:
+        ap.error("give --int8 and/or --int4 to compare with --fp32")
     import tempfile
 
-    runs = {"fp32": [], "int8": []}
+    runs = {v: [] for v in exports}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(a.reps):
-            for variant, export in (("fp32", a.fp32), ("int8", a.int8)):
+            for variant, export in exports.items():
                 res = Path(tmp) / f"{variant}_{rep}.json"
-                cmd = [sys.executable, __file__, "--fp32", str(a.fp32), "--int8", str(a.int8),
+                cmd = [sys.executable, __file__, "--fp32", str(a.fp32),
                        "--worker", str(export), str(a.chunk), str(a.steps), str(res)]
                 rc, err, samples = run_sampled(cmd, 0.01)
                 if rc != 0:
@@ -123,10 +127,9 @@ def main() -> int:
                       flush=True)
 
         profiles = {}
-        for variant, export in (("fp32", a.fp32), ("int8", a.int8)) if a.profile else ():
+        for variant, export in exports.items() if a.profile else ():
             res = Path(tmp) / f"{variant}_profile.json"
-            cmd = [sys.executable, __file__, "--fp32", str(a.fp32), "--int8", str(a.int8),
-                   "--profile-worker", str(export), str(a.chunk), str(res)]
+            cmd = [sys.executable, __file__, "--fp32", str(a.fp32), "--profile-worker", str(export), str(a.chunk), str(res)]
             rc, err, _ = run_sampled(cmd, 0.5)
             if rc != 0:
                 print(f"{variant} profile failed ({rc}):\n{err}", file=sys.stderr)
@@ -146,18 +149,21 @@ def main() -> int:
                 "loss": rs[0]["loss"][0]}
 
     s = {v: summary(v) for v in runs}
-    ratios = {k: s["int8"][k] / s["fp32"][k] for k in ("step_s", "peak_pss", "weights_pss")}
-    # the weights wherever they live: .ptd + .pte + what int8's heap holds beyond fp32's (packed)
-    packed = max(0, s["int8"]["anonymous_pss"] - s["fp32"]["anonymous_pss"])
-    ratios["all_weights_pss"] = ((s["int8"]["weights_pss"] + s["int8"]["program_pss"] + packed)
-                                 / (s["fp32"]["weights_pss"] + s["fp32"]["program_pss"]))
-    print(f"chunk {a.chunk}: int8 / fp32  step time {ratios['step_s']:.2f}x  peak PSS {ratios['peak_pss']:.2f}x "
-          f"({mib(s['int8']['peak_pss'])} vs {mib(s['fp32']['peak_pss'])})  weights PSS {ratios['weights_pss']:.2f}x (.ptd), "
-          f"{ratios['all_weights_pss']:.2f}x (.ptd + .pte + packed)  "
-          f"loss {s['int8']['loss']:.4f} vs {s['fp32']['loss']:.4f}")
+    ratios = {}
+    for v in runs:
+        if v == "fp32":
+            continue
+        r = ratios[v] = {k: s[v][k] / s["fp32"][k] for k in ("step_s", "peak_pss", "weights_pss")}
+        # the weights wherever they live: .ptd + .pte + what the heap holds beyond fp32's (packed)
+        packed = max(0, s[v]["anonymous_pss"] - s["fp32"]["anonymous_pss"])
+        r["all_weights_pss"] = ((s[v]["weights_pss"] + s[v]["program_pss"] + packed)
+                                / (s["fp32"]["weights_pss"] + s["fp32"]["program_pss"]))
+        print(f"chunk {a.chunk}: {v} / fp32  step time {r['step_s']:.2f}x  peak PSS {r['peak_pss']:.2f}x "
+              f"({mib(s[v]['peak_pss'])} vs {mib(s['fp32']['peak_pss'])})  weights PSS {r['weights_pss']:.2f}x (.ptd), "
+              f"{r['all_weights_pss']:.2f}x (.ptd + .pte + packed)  loss {s[v]['loss']:.4f} vs {s['fp32']['loss']:.4f}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"when": now_iso(), "machine": machine(), "chunk": a.chunk, "steps": a.steps,
-                                 "exports": {"fp32": str(a.fp32), "int8": str(a.int8)}, "summary": s,
+                                 "exports": {v: str(e) for v, e in exports.items()}, "summary": s,
                                  "ratios": ratios, "runs": runs, "profiles": profiles}, indent=1))
     return 0
 

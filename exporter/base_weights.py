@@ -1,13 +1,23 @@
-"""How the frozen base weights are stored: fp32 as loaded, or int8 with one fp32 scale per row.
+"""How the frozen base weights are stored: fp32 as loaded, int8 rows, or 4-bit groups.
 
 On a phone the frozen weights are most of a stage's memory (TinyLlama, 3 chunks: 1.2-1.7 GiB of
-fp32 per stage, ~70% of its peak). With --base-weights int8 each frozen Linear (the layers' and
-lm_head) and the embedding keep int8 rows with a symmetric per-row scale (absmax / 127), a
-quarter of the bytes; LoRA, activations and all arithmetic stay fp32, as in QLoRA. A Linear
-computes (x @ q^T) * scale: the cast q -> fp32 is the only full-size temporary, one weight at a
-time, and it depends on weights alone, so the two-phase split recomputes it in phase 2 instead of
-saving it as an activation (graph_passes.sink_weight_only_nodes keeps each cast next to its use).
-In eager PyTorch, autograd would save that cast for the backward; _Int8LinearFn recomputes it."""
+fp32 per stage, ~70% of its peak). Each frozen Linear (the layers' and lm_head) and the embedding
+can instead keep
+- int8: int8 rows with a symmetric per-row scale (absmax / 127), a quarter of the bytes;
+  a Linear computes (x @ q^T) * scale;
+- int4: llama.cpp's Q4_0 blocks (32 weights per fp16 scale, values -8..7 chosen by its rule, two
+  per byte), 0.14x the bytes; a Linear computes x @ (q * scale)^T. A Q4_0 GGUF's values and
+  scales come through bit-exact (requantizing Q4_0 values gives back the same blocks); other GGUF types
+  (SmolLM2's Q4_1, Q6_K, ...) are requantized from their dequantized values.
+LoRA, activations and all arithmetic stay fp32, as in QLoRA. The decoded fp32 weight (and int4's
+decode steps) are the only weight-sized temporaries, one weight at a time; they depend on weights alone, so the two-phase
+split recomputes it in phase 2 instead of saving it as an activation (graph_passes.
+sink_weight_only_nodes keeps each decode next to its use). In eager PyTorch autograd would save
+the decoded weight for the backward; _FrozenLinearFn decodes it again instead.
+
+The 4-bit decode is written so that XNNPACK runs most of it: the only portable (single-threaded)
+op on the weight is the uint8 -> fp32 cast of the packed bytes, half a weight's elements; the
+nibble split (floor, multiply, subtract), the group scales and the GEMMs are XNNPACK's."""
 from __future__ import annotations
 
 import torch
@@ -15,6 +25,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import BASE_WEIGHTS
+
+GROUP = 32  # int4: weights per scale (a Q4_0 block)
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -24,93 +36,141 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-class _Int8LinearFn(torch.autograd.Function):
-    """(x @ q^T) * scale, whose backward casts q again instead of keeping an fp32 copy."""
+def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [rows, cols] float -> (packed uint8 [rows, cols / 2], scale fp16 [rows, cols / 32]): each
+    row as Q4_0 blocks of 32 columns. Per block: d = (the entry of largest magnitude, signed) / -8,
+    q = min(15, floor(x / d + 8.5)), w ~= (q - 8) * fp16(d): ggml's rule, so the values (and
+    scales) are a Q4_0 file's. The nibbles are ordered for the decode, not as ggml stores them:
+    byte j of a row holds column j (low nibble) and column j + cols / 2 (high)."""
+    rows, cols = w.shape
+    if cols % (2 * GROUP):
+        raise ValueError(f"int4 base weights need a multiple of {2 * GROUP} columns, got {cols}")
+    g = w.detach().float().reshape(rows, cols // GROUP, GROUP)
+    extreme = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True))  # ggml keeps the first of ties; so does argmax
+    d = extreme / -8
+    inv = torch.where(d == 0, 0.0, 1.0 / d)
+    q = torch.floor(g * inv + 8.5).clamp(0, 15).to(torch.uint8).reshape(rows, cols)  # ggml truncates; > 0 here
+    return q[:, :cols // 2] | (q[:, cols // 2:] << 4), d.squeeze(-1).half()
+
+
+def dequantize_groups(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Q4_0 rows (quantize_groups) [..., cols / 2] -> `dtype` [..., cols]. Arithmetic on the bytes'
+    float values rather than bit operations, so that XNNPACK runs all of it but the uint8 cast:
+    hi = floor(v / 16), lo = v - 16 hi. One tensor for one product: two products on the column
+    halves would skip the concatenation but keep each half's decode live until its product, and
+    the partitioner's breadth-first order puts all of a readout's decodes before its products."""
+    *lead, half = packed.shape
+    v = packed.to(dtype)
+    hi = torch.floor(v * (1 / 16))
+    q = torch.cat([v - 16 * hi, hi], dim=-1) - 8  # columns j and j + cols / 2
+    return (q.reshape(*lead, 2 * half // GROUP, GROUP) * scale.to(dtype)[..., None]).reshape(*lead, 2 * half)
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantized rows (int8 rows with row scales, or int4 packed rows with group scales) -> fp32."""
+    if q.dtype == torch.uint8:
+        return dequantize_groups(q, scale)
+    return q.to(torch.float32) * scale[..., None]
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """x @ W^T for a frozen W given as an fp32 tensor or (quantized rows, their scales)."""
+    if not isinstance(w, tuple):
+        return F.linear(x, w)
+    q, scale = w
+    if q.dtype == torch.uint8:
+        return F.linear(x, dequantize_groups(q, scale, x.dtype))
+    return F.linear(x, q.to(x.dtype)) * scale  # a row scale commutes with the product: scale the smaller side
+
+
+def matmul(g: torch.Tensor, w) -> torch.Tensor:
+    """g @ W for a frozen W given as an fp32 tensor or (quantized rows, their scales)."""
+    if not isinstance(w, tuple):
+        return g @ w
+    q, scale = w
+    if q.dtype == torch.uint8:
+        return g @ dequantize_groups(q, scale, g.dtype)
+    return (g * scale) @ q.to(g.dtype)
+
+
+class _FrozenLinearFn(torch.autograd.Function):
+    """linear(x, (q, scale)), whose backward decodes q again instead of keeping an fp32 copy."""
 
     @staticmethod
     def forward(ctx, x, q, scale):
         ctx.save_for_backward(q, scale)  # weights: saving them holds no new memory
-        return F.linear(x, q.to(x.dtype)) * scale
+        return linear(x, (q, scale))
 
     @staticmethod
     def backward(ctx, g):
         q, scale = ctx.saved_tensors
-        return (g * scale) @ q.to(g.dtype), None, None
+        return matmul(g, (q, scale)), None, None
 
 
-def int8_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def quantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     if torch.compiler.is_exporting():  # traced as plain ops; the joint graph differentiates them
-        y = F.linear(x, q.to(x.dtype)) * scale
+        y = linear(x, (q, scale))
     else:
-        y = _Int8LinearFn.apply(x, q, scale)
+        y = _FrozenLinearFn.apply(x, q, scale)
     return y if bias is None else y + bias
 
 
-class Int8Linear(nn.Linear):
-    """A frozen Linear as int8 rows (`weight`) and their scales (`weight_scale`); a bias, where
+class QuantizedLinear(nn.Linear):
+    """A frozen Linear as quantized rows (`weight`) and their scales (`weight_scale`); a bias, where
     the model has one (Llama's attention_bias), stays fp32. An nn.Linear, so peft wraps it with
     LoRA like the Linear it replaces."""
 
-    def __init__(self, linear: nn.Linear):
+    def __init__(self, linear: nn.Linear, quantize):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        q, scale = quantize_rows(linear.weight)
+        q, scale = quantize(linear.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
         self.bias = linear.bias
 
     def forward(self, x):
-        return int8_linear(x, self.weight, self.weight_scale, self.bias)
+        return quantized_linear(x, self.weight, self.weight_scale, self.bias)
 
 
-class Int8Embedding(nn.Embedding):
-    """A frozen embedding table as int8 rows and their scales: a lookup dequantizes only the rows it reads."""
+class QuantizedEmbedding(nn.Embedding):
+    """A frozen embedding table as quantized rows and their scales: a lookup decodes only the rows it reads."""
 
-    def __init__(self, emb: nn.Embedding):
+    def __init__(self, emb: nn.Embedding, quantize):
         nn.Module.__init__(self)
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
         self.padding_idx, self.max_norm, self.sparse = emb.padding_idx, None, False
-        q, scale = quantize_rows(emb.weight)
+        q, scale = quantize(emb.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
 
     def forward(self, ids):
         flat = ids.reshape(-1)
-        rows = self.weight.index_select(0, flat).to(torch.float32) * self.weight_scale.index_select(0, flat)[:, None]
+        rows = dequantize(self.weight.index_select(0, flat), self.weight_scale.index_select(0, flat))
         return rows.reshape(*ids.shape, self.embedding_dim)
+
+
+QUANTIZERS = {"int8": quantize_rows, "int4": quantize_groups}
 
 
 def quantize_base(model, base_weights: str) -> int:
     """Store a LlamaForCausalLM's frozen Linears and embedding as `base_weights` (in place; before
     peft wraps it). Returns how many modules were replaced."""
     if base_weights not in BASE_WEIGHTS:
-        raise ValueError(f"unknown base weights {base_weights!r}: use {' or '.join(BASE_WEIGHTS)}")
+        raise ValueError(f"unknown base weights {base_weights!r}: use {', '.join(BASE_WEIGHTS)}")
     if base_weights == "fp32":
         return 0
+    quantize = QUANTIZERS[base_weights]
     replaced = 0
-    for parent in list(model.modules()):
+    for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, Int8Linear(child))
-            elif type(child) is nn.Embedding:
-                setattr(parent, name, Int8Embedding(child))
-            else:
+            if type(child) not in (nn.Linear, nn.Embedding):
                 continue
+            try:
+                new = (QuantizedLinear if type(child) is nn.Linear else QuantizedEmbedding)(child, quantize)
+            except ValueError as e:
+                where = f"{parent_name}.{name}" if parent_name else name
+                raise ValueError(f"--base-weights {base_weights}: {where}: {e}; use --base-weights int8") from None
+            setattr(parent, name, new)
             replaced += 1
     return replaced
-
-
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ W^T for a frozen W given as an fp32 tensor or (int8 rows, row scales)."""
-    if isinstance(w, tuple):
-        q, scale = w
-        return F.linear(x, q.to(x.dtype)) * scale
-    return F.linear(x, w)
-
-
-def matmul(g: torch.Tensor, w) -> torch.Tensor:
-    """g @ W for a frozen W given as an fp32 tensor or (int8 rows, row scales)."""
-    if isinstance(w, tuple):
-        q, scale = w
-        return (g * scale) @ q.to(g.dtype)
-    return g @ w

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from . import readout_lens, readout_loss
+from .base_weights import dequantize
 from .config import ExportConfig
 from .marker import pipeline_marker
 
@@ -84,9 +85,9 @@ class ChunkModel(nn.Module):
         # runtime packs a frozen weight into XNNPACK's (process-wide) workspace at each call, so
         # one [vocab, hidden] GEMM would size that workspace to the whole lm_head (250 MiB for
         # TinyLlama) where a layer needs 44 MiB. Same numbers; views, so no copy in eager.
-        # int8 base weights (base_weights.py): the blocks are int8 rows with their scales beside.
+        # int8 / int4 base weights (base_weights.py): the blocks are quantized rows with their scales beside.
         rows = readout_block_rows(base, self.layers)
-        scale = getattr(base.lm_head, "weight_scale", None)  # an Int8Linear's
+        scale = getattr(base.lm_head, "weight_scale", None)  # a QuantizedLinear's
         self.lm_head_blocks = _frozen_list(base.lm_head.weight.split(rows))
         self.lm_head_scales = _frozen_list(scale.split(rows)) if scale is not None else None
         # Tied embeddings (SmolLM2, ...: lm_head is the embedding matrix): the first chunk reads
@@ -110,7 +111,7 @@ class ChunkModel(nn.Module):
         return sum(w.shape[0] for w in self.lm_head_blocks)
 
     def readout_blocks(self) -> list:
-        """lm_head's row blocks as readout_loss takes them: fp32 tensors or (int8 rows, scales)."""
+        """lm_head's row blocks as readout_loss takes them: fp32 tensors or (quantized rows, scales)."""
         if self.lm_head_scales is None:
             return list(self.lm_head_blocks)
         return list(zip(self.lm_head_blocks, self.lm_head_scales))
@@ -127,8 +128,8 @@ class ChunkModel(nn.Module):
             n = block.shape[0]
             local = (flat - start).clamp(0, n - 1)
             rows = block.index_select(0, local)
-            if scale is not None:  # int8 rows and their scales (base_weights.py)
-                rows = rows.to(torch.float32) * scale.index_select(0, local)[:, None]
+            if scale is not None:  # quantized rows and their scales (base_weights.py)
+                rows = dequantize(rows, scale.index_select(0, local))
             inside = ((flat >= start) & (flat < start + n))[:, None]
             out = torch.where(inside, rows, 0.0) if out is None else torch.where(inside, rows, out)
             start += n

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-BASE_WEIGHTS = ("fp32", "int8")  # how the frozen base weights are stored (exporter/base_weights.py)
+BASE_WEIGHTS = ("fp32", "int8", "int4")  # how the frozen base weights are stored (exporter/base_weights.py)
 READOUTS = ("static", "lens")  # what the frozen lm_head reads a chunk's h through (exporter/readout_lens.py)
 
 
@@ -23,8 +23,8 @@ class ExportConfig:
     # "gemm" (GEMMs only: lower peak memory); see exporter/lower.py and docs/BENCHMARKS.md
     xnnpack_ops: str = "all"
     seed: int = 0  # LoRA initialisation
-    # How the frozen base weights are stored: "fp32", or "int8" rows with per-row scales
-    # (a quarter of the weight memory; see exporter/base_weights.py)
+    # How the frozen base weights are stored: "fp32", "int8" rows with per-row scales (0.25x the
+    # weight memory) or "int4" Q4_0 blocks (0.14x); see exporter/base_weights.py
     base_weights: str = "fp32"
     # "static": the final norm on every chunk's h (the seed's option (a)); "lens": a calibrated
     # lens per chunk boundary, fitted at export time on calibration text (readout_lens.py)

@@ -60,8 +60,10 @@ def frozen_placeholders(ep: ExportedProgram) -> set:
 
 def weight_only_nodes(ep: ExportedProgram) -> set:
     """Frozen placeholders and the nodes computed from them alone (an int8 weight's cast to fp32,
-    RoPE and mask tables): what does not change from one micro-batch to the next."""
-    out = frozen_placeholders(ep)
+    an int4 weight's decode, RoPE and mask tables): what does not change from one micro-batch to
+    the next. A lowered delegate (get_attr) counts as frozen, so a delegate call on frozen inputs
+    (a step of an int4 decode) is one too."""
+    out = frozen_placeholders(ep) | {n for n in ep.graph.nodes if n.op == "get_attr"}
     for n in ep.graph.nodes:  # topological: inputs are classified before their users
         if n.op == "call_function" and all(a in out for a in n.all_input_nodes):
             out.add(n)
@@ -185,25 +187,31 @@ def drop_identity_ops(ep: ExportedProgram) -> dict:
 
 
 def sink_weight_only_nodes(ep: ExportedProgram) -> int:
-    """Move every node computed from frozen state alone (int8 weights' casts to fp32, RoPE and
-    mask tables) to just before its first user. The split copies phase 2's recomputed nodes in
-    the joint graph's order, where the forward's come first: each fp32 cast of an int8 weight
-    would then be live from the start of phase 2 to its layer's backward, all of the chunk's
-    weights in fp32 at once in the planned arena. Run on the edge programs after partitioning
-    (exporter/lower.py), which re-sorts the graph. Order only; the values are the same. Returns
-    the number of nodes moved."""
+    """Move every node computed from frozen state alone (a quantized weight's cast or decode, RoPE
+    and mask tables) to just before the first node that uses it, or anything computed from it,
+    together with a micro-batch's data. The split copies phase 2's recomputed nodes in the joint
+    graph's order, where the forward's come first, and XNNPACK's partitioner re-sorts the graph
+    breadth first: a weight's fp32 cast or decode would then be live from the start of a phase to
+    its use, all of the chunk's weights in fp32 at once in the planned arena. "Before the first
+    user" is not enough for a decode that branches (int4: the high nibbles feed both the low
+    ones and the result), so each node goes where its weight is needed. Run on the edge programs
+    after partitioning (exporter/lower.py). Order only; the values are the same. Returns the
+    number of nodes moved."""
     weight_only = weight_only_nodes(ep)
-    order = {n: i for i, n in enumerate(ep.graph.nodes)}
-    moved = 0
-    for n in reversed(list(ep.graph.nodes)):  # users first, so a chain follows its last link
+    nodes = list(ep.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    needed_at = {}  # weight-only node -> the first non-weight-only node that depends on it
+    for n in reversed(nodes):  # users first
         if n.op != "call_function" or n not in weight_only or not n.users:
             continue
-        first_user = min(n.users, key=order.get)
-        if n.next is first_user:
-            continue
-        first_user.prepend(n)
-        moved += 1
-        order = {m: i for i, m in enumerate(ep.graph.nodes)}
+        needed_at[n] = min((needed_at.get(u, len(nodes)) if u in weight_only else order[u]) for u in n.users)
+    moved = 0
+    for n in nodes:  # in the original order, so nodes sent to the same place keep their order
+        at = needed_at.get(n, len(nodes))
+        if at < len(nodes):
+            if n.next is not nodes[at]:
+                moved += 1
+            nodes[at].prepend(n)
     ep.graph.lint()
     ep.graph_module.recompile()
     return moved

@@ -8,7 +8,7 @@ import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
-from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes
+from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes, weight_only_nodes
 from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
 from .partition_sort import sort_partitions_once
 from .redundant_decompositions import skip_redundant_decompositions
@@ -75,14 +75,43 @@ XNNPACK_CONFIGS = {
     "gemm": GEMM_CONFIGS,
     "all": GEMM_CONFIGS + ("PermuteConfig", "ViewCopyConfig", "SliceCopyConfig", "CatConfig",
                            "AddConfig", "SubConfig", "MulConfig", "DivConfig", "NegConfig", "ClampConfig",
-                           "SigmoidConfig", "SoftmaxConfig", "ExpConfig", "LogConfig",
+                           "SigmoidConfig", "SoftmaxConfig", "ExpConfig", "LogConfig", "FloorConfig",
                            "PowConfig", "MeanDimConfig", "ReciprocalSquareRootConfig"),
 }
 
 
-def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False) -> list:
-    """`gemm_per_op`: each GEMM its own delegate call (int8 base weights): a delegate that runs
-    several of a layer's GEMMs takes all their weights' fp32 casts as inputs, live at once."""
+# An int4 weight's decode (exporter/base_weights.py: decode_halves) after its uint8 cast. Not its
+# reshapes: a view left to ExecuTorch is free, one XNNPACK runs on its own is a copy.
+DECODE_CONFIGS = ("FloorConfig", "MulConfig", "SubConfig", "CatConfig")
+
+
+def _frozen_or_not(config, frozen: bool):
+    """`config` restricted to nodes computed from frozen state alone (an int4 weight's decode:
+    frozen=True), or to the others (frozen=False)."""
+    seen = {}
+
+    def weight_only(ep):
+        key = (id(ep.graph), len(ep.graph.nodes))
+        if key not in seen:
+            seen.clear()
+            seen[key] = weight_only_nodes(ep)
+        return seen[key]
+
+    class Restricted(config):
+        def check_constraints(self, node, ep):
+            return (node in weight_only(ep)) == frozen and super().check_constraints(node, ep)
+
+    Restricted.__name__ = Restricted.__qualname__ = f"{'Frozen' if frozen else 'Live'}{config.__name__}"
+    return Restricted
+
+
+def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False, decode_per_op: bool = False) -> list:
+    """`gemm_per_op`: each GEMM its own delegate call (quantized base weights): a delegate that
+    runs several of a layer's GEMMs takes all their weights' fp32 casts as inputs, live at once.
+    `decode_per_op` (int4): each op of a weight's decode its own call, and no weight-only node in
+    the last partitioner's delegates, for the same reason: XNNPACK's partitioner merges independent
+    partitions, so the decodes of a layer's gate and up, or of all lm_head blocks (down to their
+    final reshapes), would otherwise run as one delegate with all their fp32 weights live."""
     # force_non_static_weights_for_f32_linear keeps frozen weights as named constants, so they
     # live in the .ptd (once, shared by both methods) rather than packed into each delegate;
     # the price is a repack of each weight per call (see docs/BENCHMARKS.md, Export).
@@ -91,8 +120,8 @@ def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False) -> list:
 
     by_name = {c.__name__: c for c in ALL_PARTITIONER_CONFIGS}
 
-    def partitioner(names, per_op=False):
-        return XnnpackPartitioner(configs=[by_name[n] for n in names], per_op_mode=per_op,
+    def partitioner(names, per_op=False, wrap=lambda c: c):
+        return XnnpackPartitioner(configs=[wrap(by_name[n]) for n in names], per_op_mode=per_op,
                                   force_non_static_weights_for_f32_linear=True)
 
     if not gemm_per_op:
@@ -100,15 +129,21 @@ def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False) -> list:
     # Applied one after the other (to_backend), not as one list: to_edge_transform_and_lower
     # decomposes each partitioner's unclaimed ops, and the second one would split every linear.
     rest = [n for n in XNNPACK_CONFIGS[ops] if n not in GEMM_CONFIGS]
-    return [partitioner(GEMM_CONFIGS, per_op=True)] + ([partitioner(rest)] if rest else [])
+    if not decode_per_op:
+        return [partitioner(GEMM_CONFIGS, per_op=True)] + ([partitioner(rest)] if rest else [])
+    return [partitioner(GEMM_CONFIGS, per_op=True),
+            partitioner(DECODE_CONFIGS, per_op=True, wrap=lambda c: _frozen_or_not(c, True)),
+            partitioner(rest, wrap=lambda c: _frozen_or_not(c, False))]
 
 
 def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_methods: dict | None = None,
-                    xnnpack_ops: str = "all", gemm_per_op: bool = False, cache: PreprocessCache | None = None):
+                    xnnpack_ops: str = "all", gemm_per_op: bool = False, decode_per_op: bool = False,
+                    cache: PreprocessCache | None = None):
     """Return an ExecutorchProgramManager with methods phase1 and phase2; frozen weights are
     external constants tagged `data_tag` (one .ptd for the chunk's weights + readout);
     `constant_methods` (name -> value) are added as methods that return that value;
-    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS); `gemm_per_op`: see xnnpack_partitioners;
+    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS); `gemm_per_op`, `decode_per_op`: see
+    xnnpack_partitioners;
     `cache`: XNNPACK partitions already lowered (lowering_cache), shared by the chunks of one export."""
     if xnnpack_ops not in XNNPACK_CONFIGS:
         raise ValueError(f"unknown xnnpack_ops {xnnpack_ops!r}: use {' or '.join(XNNPACK_CONFIGS)}")
@@ -123,7 +158,7 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
         drop_identity_ops(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
-        first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op)
+        first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op, decode_per_op)
         with cached_xnnpack_preprocess(cache), skip_redundant_decompositions(), sort_partitions_once():
             edge = to_edge_transform_and_lower(methods, partitioner=[first], compile_config=edge_cfg,
                                                constant_methods=constant_methods)

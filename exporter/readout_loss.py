@@ -23,11 +23,14 @@ from .base_weights import linear, matmul
 # block's working set small while its GEMMs keep enough rows to run at full rate; a small
 # vocabulary gets more positions per block, not more blocks (each block is ~20 kernel calls).
 BLOCK_ELEMENTS = 32 * 32000
+# A quantized lm_head is decoded for each use, once per block for the logits and once for
+# dL/du; blocks twice the size halve that work for 4 MiB more per [rows, vocab] tensor.
+QUANTIZED_BLOCK_ELEMENTS = 2 * BLOCK_ELEMENTS
 
 
-def position_block(vocab: int) -> int:
-    """Positions per block for this vocabulary size."""
-    return max(1, BLOCK_ELEMENTS // vocab)
+def position_block(vocab: int, quantized: bool = False) -> int:
+    """Positions per block for this vocabulary size (and a quantized lm_head or not)."""
+    return max(1, (QUANTIZED_BLOCK_ELEMENTS if quantized else BLOCK_ELEMENTS) // vocab)
 
 
 def _rows(w) -> int:
@@ -55,10 +58,11 @@ def loss_and_grad(u, u_prev, target, weight, alpha, lm_head_blocks, block: int |
 
     u, u_prev: [N, hidden] normed hidden states of this chunk and the previous one (u_prev None:
     no consistency term, L = task); target [N] int64; weight [N] (1 valid, 0 padding);
-    alpha: 0-d tensor; lm_head_blocks: row blocks of lm_head, each an fp32 tensor or (int8 rows,
+    alpha: 0-d tensor; lm_head_blocks: row blocks of lm_head, each an fp32 tensor or (quantized rows,
     row scales) (base_weights); block: positions per block (default: position_block of the vocabulary).
     Returns (task, consis or None, grad_u [N, hidden])."""
-    block = block or position_block(sum(_rows(w) for w in lm_head_blocks))
+    quantized = isinstance(lm_head_blocks[0], tuple)
+    block = block or position_block(sum(_rows(w) for w in lm_head_blocks), quantized)
     denom = weight.sum().clamp(min=1.0)
     coef = weight / denom
     d = u.shape[1]
@@ -72,12 +76,17 @@ def loss_and_grad(u, u_prev, target, weight, alpha, lm_head_blocks, block: int |
     for s in range(0, u.shape[0], block):
         rows = work[s:s + block]
         c, t = coef[s:s + block].unsqueeze(1), target[s:s + block].unsqueeze(1)
-        logp = F.log_softmax(_logits(rows[:, :d], lm_head_blocks), dim=-1)
+        if u_prev is not None and quantized:  # both readouts in one product: one decode of lm_head
+            logp, logq = F.log_softmax(_logits(torch.cat([rows[:, :d], rows[:, d:]]), lm_head_blocks),
+                                       dim=-1).split(rows.shape[0])
+        else:
+            logp = F.log_softmax(_logits(rows[:, :d], lm_head_blocks), dim=-1)
         p = logp.exp()
         task = task + (-logp.gather(1, t) * c).sum()
         g = alpha * p
         if u_prev is not None:
-            logq = F.log_softmax(_logits(rows[:, d:], lm_head_blocks), dim=-1)
+            if not quantized:
+                logq = F.log_softmax(_logits(rows[:, d:], lm_head_blocks), dim=-1)
             diff = logp - logq
             kl = (p * diff).sum(-1, keepdim=True)
             consis = consis + (kl * c).sum()

@@ -267,6 +267,7 @@ def _mib(n, digits: int = 0) -> str:
 
 def add_parsers(sub) -> None:
     """zl-host profile and zl-host plan (called from host/cli.py's build_parser)."""
+    from exporter.config import BASE_WEIGHTS
     def export_flags(p):
         p.add_argument("--program", default=None, help="take the model and export settings from this zl-export output")
         p.add_argument("--model", default="tiny", help="local Hugging Face Llama directory, or 'tiny'")
@@ -274,7 +275,7 @@ def add_parsers(sub) -> None:
         p.add_argument("--micro-batch", type=int, default=1)
         p.add_argument("--loss-positions", type=int, default=None)
         p.add_argument("--backend", choices=["xnnpack", "portable"], default="xnnpack")
-        p.add_argument("--base-weights", choices=["fp32", "int8"], default="fp32")
+        p.add_argument("--base-weights", choices=BASE_WEIGHTS, default="fp32")
 
     p = sub.add_parser("profile", help="measure each phone: per-layer phase times, readout, memory, budget")
     p.add_argument("--devices", required=True, help="auto | emulated:N | NAME,NAME,... (adb serials too)")

@@ -265,7 +265,7 @@ def plan_split(num_layers: int, phones: list[PhoneModel], frame_bytes: int = 0, 
         raise InfeasibleError(
             f"these {P} phones cannot hold the {L}-layer model: the best split still lacks {_mib(missing)} "
             f"({detail}; the phones give {_mib(have)} in all); add a phone, free memory on these, or export "
-            "with --base-weights int8 / a shorter --seq-len", missing, short)
+            "with --base-weights int8 or int4 / a shorter --seq-len", missing, short)
     bottleneck, split = found
     stages = []
     for k, (p, i, j) in enumerate(split):

@@ -62,17 +62,27 @@ def small_export(small_model_dir, tmp_path_factory):
     return out, manifest, artifacts, cfg
 
 
+def _quantized_export(base_weights, small_model_dir, tmp_path_factory):
+    from exporter.export import export_model
+
+    cfg = small_export_config(base_weights=base_weights, backend="xnnpack")
+    out = tmp_path_factory.mktemp(f"export_{base_weights}") / "out"
+    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"),
+                                     eager_weights=True)
+    return out, manifest, artifacts, cfg
+
+
 @pytest.fixture(scope="session")
 def small_export_int8(small_model_dir, tmp_path_factory):
     """The same small model and chunks with int8 base weights (--base-weights int8), lowered to
     XNNPACK as phones run it: (out_dir, manifest, artifacts, cfg)."""
-    from exporter.export import export_model
+    return _quantized_export("int8", small_model_dir, tmp_path_factory)
 
-    cfg = small_export_config(base_weights="int8", backend="xnnpack")
-    out = tmp_path_factory.mktemp("export_int8") / "out"
-    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"),
-                                     eager_weights=True)
-    return out, manifest, artifacts, cfg
+
+@pytest.fixture(scope="session")
+def small_export_int4(small_model_dir, tmp_path_factory):
+    """The same with int4 base weights (--base-weights int4, Q4_0 blocks), lowered to XNNPACK."""
+    return _quantized_export("int4", small_model_dir, tmp_path_factory)
 
 
 def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int = 2, seq_len: int = 16):

@@ -77,9 +77,9 @@ def test_manifest_lists_the_eager_weights(small_export, small_model_dir):
         assert all(torch.equal(t, source[n]) for n, t in mine.items())  # the model's own weights, bit for bit
 
 
-@pytest.fixture(params=["small_export", "small_export_int8"])
+@pytest.fixture(params=["small_export", "small_export_int8", "small_export_int4"])
 def fp32_or_int8_export(request):
-    """The small export with fp32 base weights (portable kernels) and with int8 ones (XNNPACK)."""
+    """The small export with fp32 base weights (portable kernels) and with int8 / int4 ones (XNNPACK)."""
     return request.getfixturevalue(request.param)
 
 

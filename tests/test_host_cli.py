@@ -349,9 +349,10 @@ def test_a_signal_ends_a_run_as_ctrl_c_does(small_export, data_file, tmp_path, s
 
 
 
-def test_run_and_eval_on_int8_base_weights(small_export_int8, data_file, tmp_path, capsys):
-    """zl-host run trains an int8-base export (XNNPACK, emulated phones); eval uses that base."""
-    out = small_export_int8[0]
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_run_and_eval_on_quantized_base_weights(fmt, data_file, tmp_path, capsys, request):
+    """zl-host run trains an int8- or int4-base export (XNNPACK, emulated phones); eval uses that base."""
+    out = request.getfixturevalue(f"small_export_{fmt}")[0]
     run = tmp_path / "run"
     assert main(["run", "--program", str(out), "--data", str(data_file), "--devices", "emulated:3",
                  "--steps", "2", "--window", "2", "--lr", "2e-2", "--out", str(run)]) == 0
@@ -362,7 +363,7 @@ def test_run_and_eval_on_int8_base_weights(small_export_int8, data_file, tmp_pat
     capsys.readouterr()
     assert main(["eval", "--program", str(out), "--adapter", str(run / "adapter"), "--data", str(data_file)]) == 0
     text = capsys.readouterr().out
-    assert "(base weights int8, as trained)" in text and "with adapter:  NLL" in text
+    assert f"(base weights {fmt}, as trained)" in text and "with adapter:  NLL" in text
 
 
 def test_greedy_answers_are_the_argmax_continuation(small_model_dir):
