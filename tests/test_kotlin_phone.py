@@ -81,8 +81,18 @@ def runs(small_export, built, tmp_path_factory):
 
 @pytest.mark.parametrize("name", ["kotlin,kotlin,kotlin", "python,kotlin,python"])
 def test_kotlin_pipelines_train_to_the_python_lora(runs, name):
-    ref_result, ref_records = runs["python,python,python"]
-    result, records = runs[name]
+    assert_same_as_python(runs[name], runs["python,python,python"], name)
+
+
+def test_kotlin_phones_train_an_int4_base_to_the_python_lora(small_export_int4, built, tmp_path):
+    """The Kotlin core runs the int4 programs (uint8 weights, their XNNPACK decodes) as Python phones do."""
+    out = small_export_int4[0]
+    assert_same_as_python(_run(out, tmp_path / "kt", ["kotlin"] * 3), _run(out, tmp_path / "py", ["python"] * 3),
+                          "kotlin on int4")
+
+
+def assert_same_as_python(run, python_run, name):
+    (result, records), (ref_result, ref_records) = run, python_run
     commits = sorted((r["stage"], r["window"]) for r in records if r["type"] == "CHECKPOINT_COMMITTED")
     assert commits == [(k, w) for k in range(3) for w in range(WINDOWS)], "each window committed once per stage"
     mine, ref = _losses(records), _losses(ref_records)
