@@ -154,13 +154,14 @@ def main() -> int:
         if v == "fp32":
             continue
         r = ratios[v] = {k: s[v][k] / s["fp32"][k] for k in ("step_s", "peak_pss", "weights_pss")}
-        # the weights wherever they live: .ptd + .pte + what the heap holds beyond fp32's (packed)
+        # the weights wherever they live: .ptd + .pte + what the heap holds beyond fp32's (QD8: packed
+        # weights; the shipped int8 / int4: the decoded weight and its decode steps in the arena)
         packed = max(0, s[v]["anonymous_pss"] - s["fp32"]["anonymous_pss"])
         r["all_weights_pss"] = ((s[v]["weights_pss"] + s[v]["program_pss"] + packed)
                                 / (s["fp32"]["weights_pss"] + s["fp32"]["program_pss"]))
         print(f"chunk {a.chunk}: {v} / fp32  step time {r['step_s']:.2f}x  peak PSS {r['peak_pss']:.2f}x "
               f"({mib(s[v]['peak_pss'])} vs {mib(s['fp32']['peak_pss'])})  weights PSS {r['weights_pss']:.2f}x (.ptd), "
-              f"{r['all_weights_pss']:.2f}x (.ptd + .pte + packed)  loss {s[v]['loss']:.4f} vs {s['fp32']['loss']:.4f}")
+              f"{r['all_weights_pss']:.2f}x (.ptd + .pte + heap growth)  loss {s[v]['loss']:.4f} vs {s['fp32']['loss']:.4f}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps({"when": now_iso(), "machine": machine(), "chunk": a.chunk, "steps": a.steps,
                                  "exports": {v: str(e) for v, e in exports.items()}, "summary": s,

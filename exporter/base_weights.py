@@ -10,9 +10,9 @@ can instead keep
   scales come through bit-exact (requantizing Q4_0 values gives back the same blocks); other GGUF types
   (SmolLM2's Q4_1, Q6_K, ...) are requantized from their dequantized values.
 LoRA, activations and all arithmetic stay fp32, as in QLoRA. The decoded fp32 weight (and int4's
-decode steps) are the only weight-sized temporaries, one weight at a time; they depend on weights alone, so the two-phase
-split recomputes it in phase 2 instead of saving it as an activation (graph_passes.
-sink_weight_only_nodes keeps each decode next to its use). In eager PyTorch autograd would save
+decode steps) are the only weight-sized temporaries, one weight at a time. They depend on weights
+alone, so the two-phase split recomputes them in phase 2 instead of saving them as activations
+(graph_passes.sink_weight_only_nodes keeps each decode next to its use). In eager PyTorch autograd would save
 the decoded weight for the backward; _FrozenLinearFn decodes it again instead.
 
 The 4-bit decode is written so that XNNPACK runs most of it: the only portable (single-threaded)

@@ -80,7 +80,7 @@ XNNPACK_CONFIGS = {
 }
 
 
-# An int4 weight's decode (exporter/base_weights.py: decode_halves) after its uint8 cast. Not its
+# An int4 weight's decode (exporter/base_weights.py: dequantize_groups) after its uint8 cast. Not its
 # reshapes: a view left to ExecuTorch is free, one XNNPACK runs on its own is a copy.
 DECODE_CONFIGS = ("FloorConfig", "MulConfig", "SubConfig", "CatConfig")
 

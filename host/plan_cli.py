@@ -268,6 +268,7 @@ def _mib(n, digits: int = 0) -> str:
 def add_parsers(sub) -> None:
     """zl-host profile and zl-host plan (called from host/cli.py's build_parser)."""
     from exporter.config import BASE_WEIGHTS
+
     def export_flags(p):
         p.add_argument("--program", default=None, help="take the model and export settings from this zl-export output")
         p.add_argument("--model", default="tiny", help="local Hugging Face Llama directory, or 'tiny'")
