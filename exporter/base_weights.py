@@ -4,20 +4,21 @@ On a phone the frozen weights are most of a stage's memory (TinyLlama, 3 chunks:
 fp32 per stage, ~70% of its peak). Each frozen Linear (the layers' and lm_head) and the embedding
 can instead keep
 - int8: int8 rows with a symmetric per-row scale (absmax / 127), a quarter of the bytes;
-  a Linear computes (x @ q^T) * scale;
 - int4: llama.cpp's Q4_0 blocks (32 weights per fp16 scale, values -8..7 chosen by its rule, two
-  per byte), 0.14x the bytes; a Linear computes x @ (q * scale)^T. A Q4_0 GGUF's values and
-  scales come through bit-exact (requantizing Q4_0 values gives back the same blocks); other GGUF types
-  (SmolLM2's Q4_1, Q6_K, ...) are requantized from their dequantized values.
-LoRA, activations and all arithmetic stay fp32, as in QLoRA. The decoded fp32 weight (and int4's
+  per byte), 0.14x the bytes. A Q4_0 GGUF's values and scales come through bit-exact
+  (requantizing Q4_0 values gives back the same blocks); other GGUF types (SmolLM2's Q4_1, Q6_K,
+  ...) are requantized from their dequantized values.
+A Linear computes x @ (q * scale)^T: the weight decoded to fp32, then an fp32 GEMM. LoRA,
+activations and all arithmetic stay fp32, as in QLoRA. The decoded fp32 weight (and int4's
 decode steps) are the only weight-sized temporaries, one weight at a time. They depend on weights
 alone, so the two-phase split recomputes them in phase 2 instead of saving them as activations
 (graph_passes.sink_weight_only_nodes keeps each decode next to its use). In eager PyTorch autograd would save
 the decoded weight for the backward; _FrozenLinearFn decodes it again instead.
 
-The 4-bit decode is written so that XNNPACK runs most of it: the only portable (single-threaded)
-op on the weight is the uint8 -> fp32 cast of the packed bytes, half a weight's elements; the
-nibble split (floor, multiply, subtract), the group scales and the GEMMs are XNNPACK's."""
+Both decodes are written so that XNNPACK runs all of them, multi-threaded and vectorised: the
+int8 -> fp32 cast (as a dequantize with scale 1: graph_passes.casts_as_dequantize; ExecuTorch's own
+cast kernel is scalar), int4's nibble split (floor, ceiling, add, subtract: dequantize_halves), the
+scales and the GEMMs."""
 from __future__ import annotations
 
 import torch
@@ -37,11 +38,13 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [rows, cols] float -> (packed uint8 [rows, cols / 2], scale fp16 [rows, cols / 32]): each
+    """w [rows, cols] float -> (packed int8 [rows, cols / 2], scale fp16 [rows, cols / 32]): each
     row as Q4_0 blocks of 32 columns. Per block: d = (the entry of largest magnitude, signed) / -8,
     q = min(15, floor(x / d + 8.5)), w ~= (q - 8) * fp16(d): ggml's rule, so the values (and
-    scales) are a Q4_0 file's. The nibbles are ordered for the decode, not as ggml stores them:
-    byte j of a row holds column j (low nibble) and column j + cols / 2 (high)."""
+    scales) are a Q4_0 file's. Two per byte, ordered for the decode, not as ggml stores them: byte
+    j of a row is q_j + 16 (q_{j + cols/2} - 8), column j in the low nibble, column j + cols / 2 as
+    a signed high nibble. Signed, so that the byte is an int8, whose cast XNNPACK runs (it takes no
+    uint8), and the high half needs no offset."""
     rows, cols = w.shape
     if cols % (2 * GROUP):
         raise ValueError(f"int4 base weights need a multiple of {2 * GROUP} columns, got {cols}")
@@ -49,38 +52,64 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     extreme = g.gather(-1, g.abs().argmax(dim=-1, keepdim=True))  # ggml keeps the first of ties; so does argmax
     d = extreme / -8
     inv = torch.where(d == 0, 0.0, 1.0 / d)
-    q = torch.floor(g * inv + 8.5).clamp(0, 15).to(torch.uint8).reshape(rows, cols)  # ggml truncates; > 0 here
-    return q[:, :cols // 2] | (q[:, cols // 2:] << 4), d.squeeze(-1).half()
+    q = torch.floor(g * inv + 8.5).clamp(0, 15).to(torch.int16).reshape(rows, cols)  # ggml truncates; > 0 here
+    return (q[:, :cols // 2] + 16 * (q[:, cols // 2:] - 8)).to(torch.int8), d.squeeze(-1).half()
+
+
+def _groups(q: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether (q, scale) are Q4_0 groups (a scale per 32 columns) rather than int8 rows (one per row)."""
+    return scale.dim() == q.dim()
+
+
+def dequantize_halves(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tuple:
+    """Q4_0 rows (quantize_groups) [..., cols / 2] -> their two column halves in `dtype`, columns
+    j < cols / 2 (the low nibbles) and the rest (the high ones), each [..., cols / 2]. Arithmetic
+    on the bytes' float values rather than bit operations, so that XNNPACK runs all of it: with
+    v = lo + 16 hi (0 <= lo < 16), hi = floor(v / 16), and with t = (v + 1) / 16, ceil(t) = hi + 1,
+    so lo / 16 - 1/2 = t - ceil(t) + 7/16 and the low half is that times 16 d. Exact (powers of
+    two). Each half decodes from the bytes on its own, so that neither keeps the other's steps
+    live until its product (the partitioner orders the products, not the decodes), and
+    differently, so that no common subexpression elimination can join them. The cast with its
+    +1 and 1/16 is one op (graph_passes.casts_as_dequantize); eight passes over half a weight,
+    all XNNPACK's, and no concatenation: the products take the halves as they are (linear, matmul)."""
+    if packed.dtype != torch.int8:  # the first int4 exports packed unsigned bytes, decoded otherwise
+        raise ValueError(f"int4 weights packed as {packed.dtype}, not int8: an export older than this "
+                         "zl-export; export the model again")
+    *lead, half = packed.shape
+    groups = half // GROUP
+    d = scale.to(dtype)
+    t = (packed.to(dtype) + 1) * (1 / 16)
+    low = ((t - torch.ceil(t) + 7 / 16).reshape(*lead, groups, GROUP) * (16 * d[..., :groups, None]))
+    high = torch.floor(packed.to(dtype) * (1 / 16)).reshape(*lead, groups, GROUP) * d[..., groups:, None]
+    return low.reshape(*lead, half), high.reshape(*lead, half)
 
 
 def dequantize_groups(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Q4_0 rows (quantize_groups) [..., cols / 2] -> `dtype` [..., cols]. Arithmetic on the bytes'
-    float values rather than bit operations, so that XNNPACK runs all of it but the uint8 cast:
-    hi = floor(v / 16), lo = v - 16 hi. One tensor for one product: two products on the column
-    halves would skip the concatenation but keep each half's decode live until its product, and
-    the partitioner's breadth-first order puts all of a readout's decodes before its products."""
-    *lead, half = packed.shape
-    v = packed.to(dtype)
-    hi = torch.floor(v * (1 / 16))
-    q = torch.cat([v - 16 * hi, hi], dim=-1) - 8  # columns j and j + cols / 2
-    return (q.reshape(*lead, 2 * half // GROUP, GROUP) * scale.to(dtype)[..., None]).reshape(*lead, 2 * half)
+    """Q4_0 rows (quantize_groups) [..., cols / 2] -> `dtype` [..., cols]."""
+    return torch.cat(dequantize_halves(packed, scale, dtype), dim=-1)
 
 
-def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantized rows (int8 rows with row scales, or int4 packed rows with group scales) -> fp32."""
-    if q.dtype == torch.uint8:
-        return dequantize_groups(q, scale)
-    return q.to(torch.float32) * scale[..., None]
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
+    """Quantized rows (int8 rows with row scales, or int4 packed rows with group scales) -> `dtype`."""
+    if _groups(q, scale):
+        return dequantize_groups(q, scale, dtype)
+    return q.to(dtype) * scale.to(dtype)[..., None]
 
 
 def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """x @ W^T for a frozen W given as an fp32 tensor or (quantized rows, their scales)."""
+    """x @ W^T for a frozen W given as an fp32 tensor or (quantized rows, their scales). The weight
+    is decoded first, then fp32 GEMMs: a GEMM fed straight from the int8 cast would look to XNNPACK
+    like a quantized GEMM and stay out of its delegates. int4: one product per column half."""
     if not isinstance(w, tuple):
         return F.linear(x, w)
     q, scale = w
-    if q.dtype == torch.uint8:
-        return F.linear(x, dequantize_groups(q, scale, x.dtype))
-    return F.linear(x, q.to(x.dtype)) * scale  # a row scale commutes with the product: scale the smaller side
+    if not _groups(q, scale):
+        return F.linear(x, dequantize(q, scale, x.dtype))
+    low, high = dequantize_halves(q, scale, x.dtype)
+    # 2-D, so that each product is one GEMM (a strided 3-D input would be a batched matmul over
+    # copies of the weight); split, whose backward is a concatenation (a slice's: zeros + scatters)
+    x_low, x_high = x.reshape(-1, x.shape[-1]).split(low.shape[-1], dim=-1)
+    return (F.linear(x_low, low) + F.linear(x_high, high)).reshape(*x.shape[:-1], low.shape[0])
 
 
 def matmul(g: torch.Tensor, w) -> torch.Tensor:
@@ -88,9 +117,10 @@ def matmul(g: torch.Tensor, w) -> torch.Tensor:
     if not isinstance(w, tuple):
         return g @ w
     q, scale = w
-    if q.dtype == torch.uint8:
-        return g @ dequantize_groups(q, scale, g.dtype)
-    return (g * scale) @ q.to(g.dtype)
+    if not _groups(q, scale):
+        return g @ dequantize(q, scale, g.dtype)
+    low, high = dequantize_halves(q, scale, g.dtype)
+    return torch.cat([g @ low, g @ high], dim=-1)
 
 
 class _FrozenLinearFn(torch.autograd.Function):

@@ -290,8 +290,7 @@ def _lower_and_write(split, cfg: ExportConfig, tmp: Path, stem: str, say, k: int
     metadata methods Android's TrainingModule reads (`methods`: the manifest's description)."""
     say(f"chunk {k}: lowering {stem} ({cfg.backend})")
     et = lower_two_phase(split, cfg.backend, stem, training_constant_methods(methods), cfg.xnnpack_ops,
-                         gemm_per_op=cfg.base_weights != "fp32",
-                         decode_per_op=cfg.base_weights == "int4", cache=_PREPROCESSED)
+                         quantized_base=cfg.base_weights != "fp32", cache=_PREPROCESSED)
     (tmp / f"{stem}.pte").write_bytes(et.buffer)
     et.write_tensor_data_to_file(str(tmp))
     ptd = tmp / f"{stem}.ptd"

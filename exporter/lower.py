@@ -8,7 +8,8 @@ import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
-from .graph_passes import drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes, weight_only_nodes
+from .graph_passes import (casts_as_dequantize, drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes,
+                           weight_only_nodes)
 from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
 from .partition_sort import sort_partitions_once
 from .redundant_decompositions import skip_redundant_decompositions
@@ -80,9 +81,11 @@ XNNPACK_CONFIGS = {
 }
 
 
-# An int4 weight's decode (exporter/base_weights.py: dequantize_groups) after its uint8 cast. Not its
+# A quantized weight's decode (exporter/base_weights.py: dequantize): its int8 cast (a dequantize
+# with scale 1, graph_passes.casts_as_dequantize), int4's nibble split, the scales. Not its
 # reshapes: a view left to ExecuTorch is free, one XNNPACK runs on its own is a copy.
-DECODE_CONFIGS = ("FloorConfig", "MulConfig", "SubConfig", "CatConfig")
+DECODE_CONFIGS = ("DeQuantizedPerTensorConfig", "FloorConfig", "CeilConfig", "MulConfig", "SubConfig", "AddConfig",
+                  "CatConfig")
 
 
 def _frozen_or_not(config, frozen: bool):
@@ -105,13 +108,13 @@ def _frozen_or_not(config, frozen: bool):
     return Restricted
 
 
-def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False, decode_per_op: bool = False) -> list:
-    """`gemm_per_op`: each GEMM its own delegate call (quantized base weights): a delegate that
-    runs several of a layer's GEMMs takes all their weights' fp32 casts as inputs, live at once.
-    `decode_per_op` (int4): each op of a weight's decode its own call, and no weight-only node in
-    the last partitioner's delegates, for the same reason: XNNPACK's partitioner merges independent
-    partitions, so the decodes of a layer's gate and up, or of all lm_head blocks (down to their
-    final reshapes), would otherwise run as one delegate with all their fp32 weights live."""
+def xnnpack_partitioners(ops: str = "all", quantized_base: bool = False) -> list:
+    """`quantized_base` (int8 / int4 base weights): each GEMM its own delegate call, each op of a
+    weight's decode its own call, and no weight-only node in the last partitioner's delegates: a
+    delegate that runs several GEMMs takes all their decoded weights as inputs, live at once, and
+    XNNPACK's partitioner merges independent partitions, so the decodes of a layer's gate and up,
+    or of all lm_head blocks (down to their final reshapes), would otherwise run as one delegate
+    with all their fp32 weights live."""
     # force_non_static_weights_for_f32_linear keeps frozen weights as named constants, so they
     # live in the .ptd (once, shared by both methods) rather than packed into each delegate;
     # the price is a repack of each weight per call (see docs/BENCHMARKS.md, Export).
@@ -120,30 +123,29 @@ def xnnpack_partitioners(ops: str = "all", gemm_per_op: bool = False, decode_per
 
     by_name = {c.__name__: c for c in ALL_PARTITIONER_CONFIGS}
 
-    def partitioner(names, per_op=False, wrap=lambda c: c):
-        return XnnpackPartitioner(configs=[wrap(by_name[n]) for n in names], per_op_mode=per_op,
-                                  force_non_static_weights_for_f32_linear=True)
+    def partitioner(configs, per_op=False):
+        return XnnpackPartitioner(configs=configs, per_op_mode=per_op, force_non_static_weights_for_f32_linear=True)
 
-    if not gemm_per_op:
-        return [partitioner(XNNPACK_CONFIGS[ops])]
+    if not quantized_base:
+        return [partitioner([by_name[n] for n in XNNPACK_CONFIGS[ops]])]
     # Applied one after the other (to_backend), not as one list: to_edge_transform_and_lower
     # decomposes each partitioner's unclaimed ops, and the second one would split every linear.
+    # The casts go unrestricted: an embedding lookup's rows are cast too (the phones' runtime has
+    # no portable dequantize kernel); the other decode ops only on weights (activations' Mul and
+    # Sub belong in the merged partitions).
     rest = [n for n in XNNPACK_CONFIGS[ops] if n not in GEMM_CONFIGS]
-    if not decode_per_op:
-        return [partitioner(GEMM_CONFIGS, per_op=True)] + ([partitioner(rest)] if rest else [])
-    return [partitioner(GEMM_CONFIGS, per_op=True),
-            partitioner(DECODE_CONFIGS, per_op=True, wrap=lambda c: _frozen_or_not(c, True)),
-            partitioner(rest, wrap=lambda c: _frozen_or_not(c, False))]
+    decode = [by_name[n] if n == "DeQuantizedPerTensorConfig" else _frozen_or_not(by_name[n], True)
+              for n in DECODE_CONFIGS]
+    return ([partitioner([by_name[n] for n in GEMM_CONFIGS], per_op=True), partitioner(decode, per_op=True)]
+            + ([partitioner([_frozen_or_not(by_name[n], False) for n in rest])] if rest else []))  # no configs: all
 
 
 def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_methods: dict | None = None,
-                    xnnpack_ops: str = "all", gemm_per_op: bool = False, decode_per_op: bool = False,
-                    cache: PreprocessCache | None = None):
+                    xnnpack_ops: str = "all", quantized_base: bool = False, cache: PreprocessCache | None = None):
     """Return an ExecutorchProgramManager with methods phase1 and phase2; frozen weights are
     external constants tagged `data_tag` (one .ptd for the chunk's weights + readout);
     `constant_methods` (name -> value) are added as methods that return that value;
-    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS); `gemm_per_op`, `decode_per_op`: see
-    xnnpack_partitioners;
+    `xnnpack_ops` picks what XNNPACK runs (XNNPACK_CONFIGS); `quantized_base`: see xnnpack_partitioners;
     `cache`: XNNPACK partitions already lowered (lowering_cache), shared by the chunks of one export."""
     if xnnpack_ops not in XNNPACK_CONFIGS:
         raise ValueError(f"unknown xnnpack_ops {xnnpack_ops!r}: use {' or '.join(XNNPACK_CONFIGS)}")
@@ -156,9 +158,11 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     for ep in methods.values():
         fold_weight_transposes(ep)
         drop_identity_ops(ep)
+        if backend == "xnnpack" and quantized_base:
+            casts_as_dequantize(ep)
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
-        first, *later = xnnpack_partitioners(xnnpack_ops, gemm_per_op, decode_per_op)
+        first, *later = xnnpack_partitioners(xnnpack_ops, quantized_base)
         with cached_xnnpack_preprocess(cache), skip_redundant_decompositions(), sort_partitions_once():
             edge = to_edge_transform_and_lower(methods, partitioner=[first], compile_config=edge_cfg,
                                                constant_methods=constant_methods)
@@ -171,7 +175,11 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     else:
         raise ValueError(f"unknown backend {backend!r}: use xnnpack or portable")
     for name in methods:  # after partitioning, which re-sorts the graph (breadth first)
-        sink_weight_only_nodes(edge.exported_program(name))
+        ep = edge.exported_program(name)
+        left = [n.name for n in ep.graph.nodes if "dequantize_per_tensor" in str(n.target)]
+        if left:  # a phone would refuse the program at load (no portable dequantize kernel there)
+            raise RuntimeError(f"{name}: XNNPACK did not take {len(left)} weight cast(s) ({', '.join(left[:3])})")
+        sink_weight_only_nodes(ep)
     return edge.to_executorch(ExecutorchBackendConfig(external_constants=lambda node: data_tag,
                                                       memory_planning_pass=memory_plans()))
 

@@ -39,7 +39,7 @@ def test_int4_groups_are_q4_0_and_a_q4_0_file_comes_through_bit_exact():
     w = torch.randn(16, 256) * torch.logspace(-3, 1, 16)[:, None]  # rows of very different ranges
     w[3, :32] = 0.0  # an all-zero block must not divide by zero
     packed, scale = quantize_groups(w)
-    assert packed.dtype == torch.uint8 and packed.shape == (16, 128)
+    assert packed.dtype == torch.int8 and packed.shape == (16, 128)
     assert scale.dtype == torch.float16 and scale.shape == (16, 8)
     q4_0 = GGMLQuantizationType.Q4_0
     ggml = torch.from_numpy(quants.dequantize(quants.quantize(w.numpy(), q4_0), q4_0))
@@ -49,6 +49,8 @@ def test_int4_groups_are_q4_0_and_a_q4_0_file_comes_through_bit_exact():
     assert torch.equal(again[0], packed) and torch.equal(again[1], scale)
     with pytest.raises(ValueError, match="multiple of 64 columns, got 96"):
         quantize_groups(torch.randn(4, 96))
+    with pytest.raises(ValueError, match="packed as torch.uint8.*export the model again"):  # an older export's bytes
+        dequantize_groups(packed.view(torch.uint8), scale)
 
 
 QUANTIZERS = {"int8": quantize_rows, "int4": quantize_groups}
@@ -71,7 +73,7 @@ def test_quantized_linear_backward_decodes_the_weight_again_instead_of_saving_it
     (y * torch.arange(80.0)).sum().backward()
     # what autograd keeps for the backward: the quantized rows and their scales, no fp32 weight
     assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= 80 * 128 // 2]
-    assert any(t.dtype in (torch.int8, torch.uint8) for t in saved)
+    assert any(t.dtype == torch.int8 for t in saved)
 
     x2 = x.detach().clone().requires_grad_(True)
     ref = F.linear(x2, dequantize(lin.weight, lin.weight_scale), lin.bias)  # the bias stays fp32
@@ -92,7 +94,7 @@ def test_quantize_base_replaces_every_frozen_linear_and_the_embedding(small_mode
     assert quantize_base(model, fmt) == linears + 1  # + the embedding
     assert not any(type(m) in (nn.Linear, nn.Embedding) for m in model.modules())
     assert isinstance(model.model.embed_tokens, QuantizedEmbedding)
-    assert model.model.embed_tokens.weight.dtype == {"int8": torch.int8, "int4": torch.uint8}[fmt]
+    assert model.model.embed_tokens.weight.dtype == torch.int8
     out = model(ids).logits
     assert 0 < (out - ref).abs().max() < tol * ref.abs().max()  # close, not equal: 8 or 4 bits per weight
     peft_model = add_lora(model, small_export_config())  # peft wraps a QuantizedLinear like a Linear
@@ -196,12 +198,16 @@ def test_no_two_dequantized_weights_are_live_at_once(small_model_dir, fmt):
     chunk = ChunkModel(add_lora(model, cfg), 0, 2, cfg).eval()  # three layers: 21 weights + readout
     inputs = example_inputs(chunk, cfg, model.config.vocab_size, model.config.hidden_size)
     et = lower_two_phase(split_at_marker(joint_program(chunk, inputs), input_names(True)), "xnnpack", "w",
-                         gemm_per_op=True, decode_per_op=fmt == "int4")
+                         quantized_base=True)
     for method in ("phase1", "phase2"):
         ep = et.exported_program(method)
         weights = frozen_placeholders(ep)
-        casts = [n for n in ep.graph.nodes if "to_dim_order_copy" in str(n.target) and n.args[0] in weights
-                 and n.args[0].meta["val"].dtype in (torch.int8, torch.uint8)]
+        # each weight's int8 cast: an XNNPACK call of its own (graph_passes.casts_as_dequantize)
+        casts = [g for n in ep.graph.nodes if "executorch_call_delegate" in str(n.target)
+                 and any(a in weights and a.meta["val"].dtype == torch.int8 for a in n.all_input_nodes)
+                 for g in n.users]
+        assert not [n for n in ep.graph.nodes if "to_dim_order_copy" in str(n.target)
+                    and n.args[0].meta["val"].dtype == torch.int8], method  # no portable cast of a weight
         assert len(casts) >= 21, method  # every layer weight is dequantized in both phases
         spans = sorted(n.meta["spec"].lifetime for n in casts)
         overlapping = [(a, b) for a, b in zip(spans, spans[1:]) if b[0] <= a[1]]
@@ -230,3 +236,14 @@ def test_eval_uses_the_base_weights_the_adapter_was_trained_on(small_model_dir, 
     assert quantized["tokens"] == fp32["tokens"] > 0
     assert quantized["nll"] != fp32["nll"]  # the quantized base, not the fp32 one
     assert quantized["nll"] == pytest.approx(fp32["nll"], rel=rel)
+
+
+@pytest.mark.parametrize("ops", ["gemm", "all"])
+def test_quantized_partitioners_take_only_the_ops_asked_for(ops):
+    """--xnnpack-ops gemm with a quantized base: the GEMMs and the weights' decodes, nothing else
+    (an XnnpackPartitioner given no configs would take every op it knows)."""
+    from exporter.lower import DECODE_CONFIGS, XNNPACK_CONFIGS, xnnpack_partitioners
+
+    taken = {c.__class__.__mro__[1 if c.__class__.__name__.startswith(("Frozen", "Live")) else 0].__name__
+             for p in xnnpack_partitioners(ops, quantized_base=True) for c in p.target_partitioner_configs.values()}
+    assert taken == set(XNNPACK_CONFIGS[ops]) | set(DECODE_CONFIGS)

@@ -174,3 +174,32 @@ def test_xnnpack_runs_a_layers_elementwise_work(peft_model):
     assert left["gemm"] and not any(g in t for t in left["gemm"] for g in gemms), left["gemm"]
     with pytest.raises(ValueError, match="unknown xnnpack_ops 'most'"):
         lower_two_phase(split, "xnnpack", "w", xnnpack_ops="most")
+
+
+def test_int8_casts_become_dequantizes_that_take_in_the_offset_and_scale_after_them():
+    """An int4 decode's cast, +1 and 1/16 become one dequantize_per_tensor (zero point -1, scale
+    1/16), an int8 weight's plain cast one with scale 1; an add that is not an integer or a cast
+    with another use stays; the values are the same."""
+    from exporter.graph_passes import casts_as_dequantize
+
+    class Decode(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("w", torch.randint(-128, 128, (8, 64), dtype=torch.int8))
+
+        def forward(self, x):
+            t = (self.w.to(torch.float32) + 1) * (1 / 16)  # folded whole
+            plain = self.w.to(torch.float32)  # scale 1
+            shared = self.w.to(torch.float32)
+            kept = shared * 0.5 + shared  # two uses: only the cast is folded
+            return x @ (torch.ceil(t) + plain + kept).T
+
+    m, x = Decode(), torch.randn(2, 64)
+    ep = torch.export.export(m, (x,)).run_decompositions()
+    want = ep.module()(x)
+    assert casts_as_dequantize(ep) == 3
+    dq = [n for n in ep.graph.nodes if "dequantize_per_tensor" in str(n.target)]
+    assert sorted((n.args[1], n.args[2]) for n in dq) == [(0.0625, -1), (1.0, 0), (1.0, 0)]
+    assert not [n for n in ep.graph.nodes if n.target is torch.ops.aten._to_copy.default]
+    assert [n.args[1] for n in ep.graph.nodes if n.target is torch.ops.aten.mul.Tensor] == [0.5]  # kept's
+    assert torch.equal(ep.module()(x), want)

@@ -85,7 +85,7 @@ def test_kotlin_pipelines_train_to_the_python_lora(runs, name):
 
 
 def test_kotlin_phones_train_an_int4_base_to_the_python_lora(small_export_int4, built, tmp_path):
-    """The Kotlin core runs the int4 programs (uint8 weights, their XNNPACK decodes) as Python phones do."""
+    """The Kotlin core runs the int4 programs (packed int8 weights, their XNNPACK decodes) as Python phones do."""
     out = small_export_int4[0]
     assert_same_as_python(_run(out, tmp_path / "kt", ["kotlin"] * 3), _run(out, tmp_path / "py", ["python"] * 3),
                           "kotlin on int4")
