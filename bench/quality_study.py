@@ -12,6 +12,8 @@ The plan, in order (each step runs what is missing):
   2. per task: --seeds at the chosen LR, test split, at --sweep-budget (with an accuracy curve)
   3. per task: the other --budgets at the same LR, all seeds
 Tasks run one after the other in the order of --tasks (steps 1-2 of every task before step 3).
+With --base-weights int8 / int4 (issue 33: the frozen base as zl-export stores it) there is no
+sweep: each method trains at the LR the fp32 base's sweep chose, seeds at every budget.
 
   nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # resumable; start one
   nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # worker per core: cells are locked
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench import quality as Q  # noqa: E402
 from bench.quality_tasks import TASKS, exact_match, load_task  # noqa: E402
+from exporter.config import BASE_WEIGHTS  # noqa: E402
 
 CELLS = ROOT / "bench" / "results" / "quality_cells"
 OUT = ROOT / "bench" / "results" / "quality_study.json"
@@ -41,8 +44,9 @@ PLOT = ROOT / "bench" / "results" / "quality_study.png"
 METRIC = {"wordnet": "choice_accuracy", "wordnet-reverse": "exact_match"}
 
 
-def cell_name(task, method, lr, seed, budget, epochs, targets, split) -> str:
-    return f"{task}/{method}_{targets}_n{budget}_e{epochs}_lr{lr:g}_s{seed}_{split}.json"
+def cell_name(task, method, lr, seed, budget, epochs, targets, split, base_weights="fp32") -> str:
+    bw = "" if base_weights == "fp32" else f"_{base_weights}"  # fp32 cells keep the names they were run under
+    return f"{task}/{method}_{targets}{bw}_n{budget}_e{epochs}_lr{lr:g}_s{seed}_{split}.json"
 
 
 def metric(r, task) -> float:
@@ -69,6 +73,10 @@ class Study:
 
             torch.set_num_threads(self.a.threads)
             self.base, self.tok = Q.load_base(Path(self.a.cache))
+            if self.a.base_weights != "fp32":  # zl-export's modules: the same decode as the programs'
+                from exporter.base_weights import quantize_base
+
+                quantize_base(self.base, self.a.base_weights)
         return self.base, self.tok
 
     def task_data(self, task):
@@ -93,6 +101,9 @@ class Study:
             f = Path(self.a.cache) / "lenses" / f"{task}_n{budget}_seq{self.a.seq_len}_d{self.a.data_seed}.pt"
             if f.exists():
                 self.lenses[key] = torch.load(f)
+            elif self.a.base_weights != "fp32":  # zl-export fits the lens before it quantizes the base
+                sys.exit(f"bench/quality_study.py: no lens for {task} at {budget} samples in {f.parent}; "
+                         "run the fp32 base's cells first (they fit it)")
             else:
                 (data, _), s = self.task_data(task), self.settings(1, "qv")
                 mbs = Q.batches(data["train"][:budget], range(budget), s.micro_batch, s.seq_len, s.pad_id)
@@ -124,7 +135,7 @@ class Study:
         (wait=False: None, so the caller moves on to a cell it can run)."""
         epochs = epochs or self.a.epochs
         targets = targets or self.a.targets
-        name = cell_name(task, method, lr, seed, budget, epochs, targets, split)
+        name = cell_name(task, method, lr, seed, budget, epochs, targets, split, self.a.base_weights)
         while True:
             r = self.cached(name)
             if r is not None:
@@ -163,7 +174,8 @@ class Study:
         t0 = time.time()
         r = Q.train_and_eval(self.base, d, method, lr, seed, s, label_ids, split, curve_mbs=curve_mbs,
                              lenses=lenses, log=log, extra_eval=extra)
-        r.update(task=task, budget=budget, epochs=epochs, targets=targets, wall_seconds=time.time() - t0,
+        r.update(task=task, budget=budget, epochs=epochs, targets=targets, base_weights=self.a.base_weights,
+                 wall_seconds=time.time() - t0,
                  load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
         f = self.cells / name
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -191,6 +203,8 @@ class Study:
 
     def run(self):
         a = self.a
+        if a.base_weights != "fp32":
+            return self.run_quantized()
         for task in a.tasks:
             self.run_cell(task, "zero-shot", 0.0, 0, 0, "test", epochs=1, wait=False)
             # the sweeps of all methods first, LR by LR, so that two workers (or a run cut short)
@@ -210,6 +224,24 @@ class Study:
                         self.run_cell(task, m, self.chosen_lr(task, m), seed, budget, "test", wait=False)
         self.log("plan finished")
 
+    def run_quantized(self):
+        """A quantized base at the fp32 base's chosen LRs (its sweep must have finished): seeds x budgets."""
+        a = self.a
+        lrs = {}
+        for task in a.tasks:
+            for m in a.methods:
+                lr = self.chosen_lr(task, m, run=False)
+                if lr is None:
+                    sys.exit(f"bench/quality_study.py: the fp32 sweep of {m} on {task} is unfinished; "
+                             "run the study without --base-weights first")
+                lrs[task, m] = lr
+        for budget in [a.sweep_budget] + [b for b in a.budgets if b != a.sweep_budget]:
+            for seed in a.seeds:
+                for task in a.tasks:
+                    for m in a.methods:
+                        self.run_cell(task, m, lrs[task, m], seed, budget, "test", wait=False)
+        self.log(f"plan finished ({a.base_weights} base)")
+
 
 # ---------------------------------------------------------------- report
 
@@ -222,7 +254,8 @@ def summarise(runs, planned_lrs=()) -> dict:
     out = {}
     for r in runs:
         t = out.setdefault(r["task"], {"sweep": {}, "test": {}})
-        key = f"{r['method']}|{r.get('targets', 'qv')}|e{r.get('epochs', 1)}"
+        bw = r.get("base_weights", "fp32")
+        key = f"{r['method']}|{r.get('targets', 'qv')}|e{r.get('epochs', 1)}" + ("" if bw == "fp32" else f"|{bw} base")
         if r["split"] == "validation":
             t["sweep"].setdefault(key, {})[r["lr"]] = {"answer_nll": Q.final(r["eval"])["answer_nll"],
                                                        "metric": metric(r, r["task"]), "budget": r["budget"]}
@@ -374,6 +407,8 @@ def main(argv=None) -> int:
     p.add_argument("--sweep-budget", type=int, default=1024)
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--targets", default="qv", choices=sorted(Q.LORA_TARGETS), help="LoRA on q/v or every linear layer")
+    p.add_argument("--base-weights", default="fp32", choices=BASE_WEIGHTS,
+                   help="the frozen base as zl-export --base-weights stores it (int8 / int4: at the fp32 sweep's LRs)")
     p.add_argument("--val", type=int, default=128)
     p.add_argument("--test", type=int, default=400)
     p.add_argument("--curve-every", type=int, default=256)

@@ -97,3 +97,24 @@ def test_each_lora_parameter_belongs_to_the_chunk_of_its_layer():
     assert [Q.chunk_of(name.format(i)) for i in (0, 9, 10, 19, 20, 29)] == [0, 0, 1, 1, 2, 2]
     # every method with an LR per chunk names one for each chunk
     assert all(len(s) == len(Q.CHUNKS) for s in Q.LR_SCALES.values())
+
+
+def test_a_quantized_base_trains_at_the_fp32_sweeps_rates_in_cells_of_its_own(tmp_path):
+    s = study(tmp_path, "--base-weights", "int4", "--methods", "bp", "--budgets", "1024", "--seeds", "0,1")
+    ran = []
+    s.run_cell = lambda *args, **kw: ran.append(args)
+    try:
+        s.run()  # the fp32 sweep has not run: nothing to train at
+        raise AssertionError("a quantized run started without the fp32 sweep's rates")
+    except SystemExit as e:
+        assert "fp32 sweep of bp on wordnet is unfinished" in str(e)
+    for lr, nll in ((1e-3, 0.6), (3e-3, 0.4), (1e-2, 0.5)):
+        write(tmp_path, fake_cell("wordnet", "bp", lr, "validation", nll, 0.8))
+    s.run()
+    assert ran == [("wordnet", "bp", 3e-3, seed, 1024, "test") for seed in (0, 1)]
+    fp32 = QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test")
+    int4 = QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test", "int4")
+    assert fp32 == "wordnet/bp_qv_n1024_e1_lr0.003_s0_test.json" and int4 != fp32 and "_int4_" in int4
+    runs = [fake_cell("wordnet", "bp", 3e-3, "test", 0.4, 0.8), dict(fake_cell("wordnet", "bp", 3e-3, "test", 0.5, 0.7),
+                                                                   base_weights="int4")]
+    assert set(QS.summarise(runs)["wordnet"]["test"]) == {"bp|qv|e1|n1024", "bp|qv|e1|int4 base|n1024"}
