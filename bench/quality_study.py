@@ -74,9 +74,10 @@ class Study:
             torch.set_num_threads(self.a.threads)
             self.base, self.tok = Q.load_base(Path(self.a.cache))
             if self.a.base_weights != "fp32":  # zl-export's modules: the same decode as the programs'
-                from exporter.base_weights import quantize_base
+                from exporter.base_weights import quantize_base, stored_formats
 
                 quantize_base(self.base, self.a.base_weights)
+                self.log(f"base weights {self.a.base_weights}: {stored_formats(self.base)}")
         return self.base, self.tok
 
     def task_data(self, task):

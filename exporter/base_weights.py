@@ -4,10 +4,13 @@ On a phone the frozen weights are most of a stage's memory (TinyLlama, 3 chunks:
 fp32 per stage, ~70% of its peak). Each frozen Linear (the layers' and lm_head) and the embedding
 can instead keep
 - int8: int8 rows with a symmetric per-row scale (absmax / 127), a quarter of the bytes;
-- int4: llama.cpp's Q4_0 blocks (32 weights per fp16 scale, values -8..7 chosen by its rule, two
-  per byte), 0.14x the bytes. A Q4_0 GGUF's values and scales come through bit-exact
-  (requantizing Q4_0 values gives back the same blocks); other GGUF types (SmolLM2's Q4_1, Q6_K,
-  ...) are requantized from their dequantized values.
+- int4: llama.cpp's blocks of 32 weights: Q4_0 (an fp16 scale, values -8..7 chosen by its rule,
+  two per byte; 0.14x the bytes), unless the weight's values are a GGUF's Q4_1 or Q8_0 blocks
+  (what transformers dequantizes them to), which are kept as they are, bit-exact: SmolLM2's file
+  is Q4_1 with a Q8_0 embedding, so its int4 base holds the file's own numbers (0.16x / 0.27x of
+  fp32 for those weights) instead of quantizing them a second time. A Q4_0 file's values come
+  through bit-exact as Q4_0 (requantizing Q4_0 values gives back the same blocks); other GGUF
+  types (Q6_K, ...) and float weights are quantized to Q4_0.
 A Linear computes x @ (q * scale)^T: the weight decoded to fp32, then an fp32 GEMM. LoRA,
 activations and all arithmetic stay fp32, as in QLoRA. The decoded fp32 weight (and int4's
 decode steps) are the only weight-sized temporaries, one weight at a time. They depend on weights
@@ -56,43 +59,116 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (q[:, :cols // 2] + 16 * (q[:, cols // 2:] - 8)).to(torch.int8), d.squeeze(-1).half()
 
 
-def _groups(q: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether (q, scale) are Q4_0 groups (a scale per 32 columns) rather than int8 rows (one per row)."""
-    return scale.dim() == q.dim()
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """w [rows, cols] whose 32-column blocks are Q4_1 values (q * d + m, q 0..15, d and m fp16)
+    -> (packed int8 [rows, cols / 2] as quantize_groups packs, scale fp16 [rows, cols / 32, 2]
+    holding (d, m)), bit-exact; None where w is not such values. The minimum is the q = 0 entry
+    and the maximum the q = 15 one, by ggml's rule, so both are read off the values."""
+    rows, cols = w.shape
+    if cols % (2 * GROUP):
+        return None
+    g = w.detach().float().reshape(rows, cols // GROUP, GROUP)
+    lo, hi = g.amin(dim=-1, keepdim=True), g.amax(dim=-1, keepdim=True)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    if not (torch.isfinite(d).all() and torch.equal(m.float(), lo)):
+        return None
+    df = d.float()
+    q = torch.round(torch.where(df == 0, 0.0, (g - lo) / torch.where(df == 0, 1.0, df))).clamp(0, 15)
+    if not torch.equal(q * df + lo, g):
+        return None
+    q = q.to(torch.int16).reshape(rows, cols)
+    packed = (q[:, :cols // 2] + 16 * (q[:, cols // 2:] - 8)).to(torch.int8)
+    return packed, torch.cat([d, m], dim=-1)
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """w [rows, cols] whose 32-column blocks are Q8_0 values (q * d, q -127..127, d fp16) ->
+    (int8 [rows, cols], scale fp16 [rows, cols / 32]), bit-exact; None where w is not such values."""
+    rows, cols = w.shape
+    if cols % GROUP:
+        return None
+    g = w.detach().float().reshape(rows, cols // GROUP, GROUP)
+    d = (g.abs().amax(dim=-1, keepdim=True) / 127).half().float()
+    q = torch.round(torch.where(d == 0, 0.0, g / torch.where(d == 0, 1.0, d)))
+    if not (torch.isfinite(d).all() and q.abs().max() <= 127 and torch.equal(q * d, g)):
+        return None
+    return q.to(torch.int8).reshape(rows, cols), d.squeeze(-1).half()
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """--base-weights int4: a GGUF's Q4_1 or Q8_0 values kept as those blocks, bit-exact; anything
+    else as Q4_0 (quantize_groups). One format per weight; the first row is tried before the rest,
+    so float weights cost one row's failed tries. A meta tensor (a module built to be loaded) gets
+    Q4_0's shapes; adopt_stored then takes whichever form the stored weights have."""
+    for keep in (() if w.is_meta else (quantize_q4_1, quantize_q8_0)):
+        if keep(w[:1]) is not None and (kept := keep(w)) is not None:
+            return kept
+    return quantize_groups(w)
+
+
+def block_format(q: torch.Tensor, scale: torch.Tensor) -> str:
+    """Which stored form (q, scale) is, from their shapes: "rows" (int8 rows, a scale per row),
+    "q4_0" (packed nibbles, a scale per 32 columns), "q4_1" (packed nibbles, (d, m) per 32
+    columns) or "q8_0" (int8, a scale per 32 columns)."""
+    if scale.dim() == q.dim() - 1:
+        return "rows"
+    if scale.dim() == q.dim() + 1:
+        return "q4_1"
+    return "q8_0" if q.shape[-1] == GROUP * scale.shape[-1] else "q4_0"
+
+
+def _packed(q: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Whether q holds two 4-bit values per byte (Q4_0 or Q4_1), decoded by column halves."""
+    return block_format(q, scale) in ("q4_0", "q4_1")
 
 
 def dequantize_halves(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tuple:
-    """Q4_0 rows (quantize_groups) [..., cols / 2] -> their two column halves in `dtype`, columns
-    j < cols / 2 (the low nibbles) and the rest (the high ones), each [..., cols / 2]. Arithmetic
-    on the bytes' float values rather than bit operations, so that XNNPACK runs all of it: with
-    v = lo + 16 hi (0 <= lo < 16), hi = floor(v / 16), and with t = (v + 1) / 16, ceil(t) = hi + 1,
-    so lo / 16 - 1/2 = t - ceil(t) + 7/16 and the low half is that times 16 d. Exact (powers of
-    two). Each half decodes from the bytes on its own, so that neither keeps the other's steps
-    live until its product (the partitioner orders the products, not the decodes), and
-    differently, so that no common subexpression elimination can join them. The cast with its
-    +1 and 1/16 is one op (graph_passes.casts_as_dequantize); eight passes over half a weight,
-    all XNNPACK's, and no concatenation: the products take the halves as they are (linear, matmul)."""
+    """Q4_0 or Q4_1 rows (quantize_groups, quantize_q4_1) [..., cols / 2] -> their two column
+    halves in `dtype`, columns j < cols / 2 (the low nibbles) and the rest (the high ones), each
+    [..., cols / 2]. Arithmetic on the bytes' float values rather than bit operations, so that
+    XNNPACK runs all of it: with v = lo + 16 (hi - 8) (0 <= lo, hi < 16), hi - 8 = floor(v / 16),
+    and with t = (v + 1) / 16, ceil(t) = hi - 7, so lo / 16 = t - ceil(t) + 15/16. Q4_0: the low
+    half is (lo - 8) d = 16 d (t - ceil(t) + 7/16), the high one floor(v / 16) d; Q4_1: lo d + m
+    and floor((v + 128) / 16) d + m. Exact (powers of two; each product is exact in fp32, and
+    Q4_1's one rounding is ggml's own, of q d + m). Each half decodes from the bytes on its own,
+    so that neither keeps the other's steps live until its product (the partitioner orders the
+    products, not the decodes), and differently, so that no common subexpression elimination
+    can join them. Each cast with the integer added and the fraction multiplied after it is one
+    op (graph_passes.casts_as_dequantize); all XNNPACK's, and no concatenation: the products take
+    the halves as they are (linear, matmul)."""
     if packed.dtype != torch.int8:  # the first int4 exports packed unsigned bytes, decoded otherwise
         raise ValueError(f"int4 weights packed as {packed.dtype}, not int8: an export older than this "
                          "zl-export; export the model again")
     *lead, half = packed.shape
     groups = half // GROUP
-    d = scale.to(dtype)
+    offset = scale.dim() == packed.dim() + 1  # Q4_1: (d, m) per block
+    d = (scale[..., 0] if offset else scale).to(dtype)
     t = (packed.to(dtype) + 1) * (1 / 16)
-    low = ((t - torch.ceil(t) + 7 / 16).reshape(*lead, groups, GROUP) * (16 * d[..., :groups, None]))
-    high = torch.floor(packed.to(dtype) * (1 / 16)).reshape(*lead, groups, GROUP) * d[..., groups:, None]
+    low = (t - torch.ceil(t) + (15 / 16 if offset else 7 / 16)).reshape(*lead, groups, GROUP) * (16 * d[..., :groups, None])
+    if offset:
+        high = torch.floor((packed.to(dtype) + 128) * (1 / 16))
+    else:
+        high = torch.floor(packed.to(dtype) * (1 / 16))
+    high = high.reshape(*lead, groups, GROUP) * d[..., groups:, None]
+    if offset:
+        m = scale[..., 1].to(dtype)
+        low, high = low + m[..., :groups, None], high + m[..., groups:, None]
     return low.reshape(*lead, half), high.reshape(*lead, half)
 
 
 def dequantize_groups(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Q4_0 rows (quantize_groups) [..., cols / 2] -> `dtype` [..., cols]."""
+    """Q4_0 or Q4_1 rows [..., cols / 2] -> `dtype` [..., cols]."""
     return torch.cat(dequantize_halves(packed, scale, dtype), dim=-1)
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    """Quantized rows (int8 rows with row scales, or int4 packed rows with group scales) -> `dtype`."""
-    if _groups(q, scale):
+    """Quantized rows in any stored form (block_format) -> `dtype`."""
+    fmt = block_format(q, scale)
+    if fmt in ("q4_0", "q4_1"):
         return dequantize_groups(q, scale, dtype)
+    if fmt == "q8_0":
+        *lead, cols = q.shape
+        return (q.to(dtype).reshape(*lead, cols // GROUP, GROUP) * scale.to(dtype)[..., None]).reshape(*lead, cols)
     return q.to(dtype) * scale.to(dtype)[..., None]
 
 
@@ -103,7 +179,7 @@ def linear(x: torch.Tensor, w) -> torch.Tensor:
     if not isinstance(w, tuple):
         return F.linear(x, w)
     q, scale = w
-    if not _groups(q, scale):
+    if not _packed(q, scale):
         return F.linear(x, dequantize(q, scale, x.dtype))
     low, high = dequantize_halves(q, scale, x.dtype)
     # 2-D, so that each product is one GEMM (a strided 3-D input would be a batched matmul over
@@ -117,7 +193,7 @@ def matmul(g: torch.Tensor, w) -> torch.Tensor:
     if not isinstance(w, tuple):
         return g @ w
     q, scale = w
-    if not _groups(q, scale):
+    if not _packed(q, scale):
         return g @ dequantize(q, scale, g.dtype)
     low, high = dequantize_halves(q, scale, g.dtype)
     return torch.cat([g @ low, g @ high], dim=-1)
@@ -180,7 +256,7 @@ class QuantizedEmbedding(nn.Embedding):
         return rows.reshape(*ids.shape, self.embedding_dim)
 
 
-QUANTIZERS = {"int8": quantize_rows, "int4": quantize_groups}
+QUANTIZERS = {"int8": quantize_rows, "int4": quantize_int4}
 
 
 def quantize_base(model, base_weights: str) -> int:
@@ -204,3 +280,29 @@ def quantize_base(model, base_weights: str) -> int:
             setattr(parent, name, new)
             replaced += 1
     return replaced
+
+
+def adopt_stored(model, tensors: dict) -> None:
+    """Give each quantized module of a model built on the meta device (quantize_base) the stored
+    weight and scale `tensors` (state-dict names) hold, in whichever form they were stored
+    (block_format), which the shapes quantize_base guessed need not match."""
+    for name, m in model.named_modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
+            q, scale = tensors.get(f"{name}.weight"), tensors.get(f"{name}.weight_scale")
+            if q is not None and scale is not None:
+                m.weight = nn.Parameter(q, requires_grad=False)
+                m.weight_scale = scale
+
+
+FORMAT_NAMES = {"rows": "int8 rows", "q4_0": "Q4_0", "q4_1": "Q4_1 (the file's)", "q8_0": "Q8_0 (the file's)"}
+
+
+def stored_formats(model) -> str:
+    """How a quantize_base'd model stores its frozen weights, for the export's log: "7 Q4_0, 14
+    Q4_1 (the file's)"."""
+    counts: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, (QuantizedLinear, QuantizedEmbedding)):
+            name = FORMAT_NAMES[block_format(m.weight, m.weight_scale)]
+            counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{counts[name]} {name}" for name in sorted(counts))

@@ -34,8 +34,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="LoRA initialisation seed")
     p.add_argument("--base-weights", choices=BASE_WEIGHTS, default="fp32",
                    help="how the frozen base weights are stored: fp32; int8 with one scale per row (0.25x the weight "
-                        "memory on the phones); or int4, llama.cpp's Q4_0 blocks (0.14x). LoRA, activations and "
-                        "arithmetic stay fp32, each layer decodes its weights as it runs; default %(default)s")
+                        "memory on the phones); or int4, llama.cpp's Q4_0 blocks (0.14x; a GGUF's Q4_1 and Q8_0 "
+                        "weights keep their own blocks, bit-exact). LoRA, activations and arithmetic stay fp32, each layer decodes its weights as it runs; default %(default)s")
     p.add_argument("--mode", choices=["zerolock", "bp", "both"], default="zerolock",
                    help="programs to write per chunk: zerolock (chunk_k.pte, local-loss training), bp "
                         "(chunk_k_bp.pte, a back-propagation pipeline stage for the GPipe/1F1B/PipeDream "

@@ -24,7 +24,8 @@ class ExportConfig:
     xnnpack_ops: str = "all"
     seed: int = 0  # LoRA initialisation
     # How the frozen base weights are stored: "fp32", "int8" rows with per-row scales (0.25x the
-    # weight memory) or "int4" Q4_0 blocks (0.14x); see exporter/base_weights.py
+    # weight memory) or "int4" Q4_0 blocks (0.14x; a GGUF's Q4_1 / Q8_0 blocks kept as they are);
+    # see exporter/base_weights.py
     base_weights: str = "fp32"
     # "static": the final norm on every chunk's h (the seed's option (a)); "lens": a calibrated
     # lens per chunk boundary, fitted at export time on calibration text (readout_lens.py)

@@ -21,7 +21,7 @@ import torch
 from safetensors.torch import save_file
 
 from . import __version__
-from .base_weights import quantize_base
+from .base_weights import quantize_base, stored_formats
 from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora, bp_example_inputs,
                           bp_input_names, example_inputs, input_names, peft_name)
 from .chunk_jobs import default_jobs, run_chunk_jobs
@@ -186,9 +186,9 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             lenses, lens_info = _readout_lenses(model, ranges, cfg, tmp, calibration, lenses, say)
         else:
             lenses = None
-        if cfg.base_weights != "fp32":
-            say(f"storing the frozen base weights as {cfg.base_weights}")
         quantize_base(model, cfg.base_weights)
+        if cfg.base_weights != "fp32":
+            say(f"frozen base weights stored as {cfg.base_weights}: {stored_formats(model)}")
         peft_model = add_lora(model, cfg)
         def export_chunk(k: int, say) -> dict:  # in a worker process when jobs > 1 (chunk_jobs)
             first, last = ranges[k]

@@ -79,10 +79,44 @@ def small_export_int8(small_model_dir, tmp_path_factory):
     return _quantized_export("int8", small_model_dir, tmp_path_factory)
 
 
+def as_gguf_blocks(w, kind: str):
+    """w's values as a GGUF of type `kind` ("Q4_1", "Q8_0") holds them (what transformers loads)."""
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    t = getattr(GGMLQuantizationType, kind)
+    return torch.from_numpy(quants.dequantize(quants.quantize(w.detach().numpy(), t), t))
+
+
 @pytest.fixture(scope="session")
-def small_export_int4(small_model_dir, tmp_path_factory):
-    """The same with int4 base weights (--base-weights int4, Q4_0 blocks), lowered to XNNPACK."""
-    return _quantized_export("int4", small_model_dir, tmp_path_factory)
+def small_model_dir_gguf_blocks(small_model_dir, tmp_path_factory) -> Path:
+    """The small model with the weights a quantized GGUF would give: layer 1's Linears Q4_1 values,
+    the embedding and lm_head Q8_0 values (SmolLM2's file: Q4_1, its tied embedding Q8_0); the
+    rest floats."""
+    import torch
+
+    from exporter.model_source import load_model_dir
+    from exporter.tiny_tokenizer import build_tiny_tokenizer
+
+    out = tmp_path_factory.mktemp("small_model_gguf_blocks")
+    model = load_model_dir(small_model_dir)
+    with torch.no_grad():
+        for lin in model.model.layers[1].modules():
+            if isinstance(lin, torch.nn.Linear):
+                lin.weight.copy_(as_gguf_blocks(lin.weight, "Q4_1"))
+        for w in (model.model.embed_tokens.weight, model.lm_head.weight):
+            w.copy_(as_gguf_blocks(w, "Q8_0"))
+    model.save_pretrained(out)
+    build_tiny_tokenizer().save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def small_export_int4(small_model_dir_gguf_blocks, tmp_path_factory):
+    """The same with int4 base weights (--base-weights int4), lowered to XNNPACK, from the small
+    model with a GGUF's blocks in places: Q4_0 blocks, layer 1's Q4_1, the embedding's and the
+    readout's Q8_0."""
+    return _quantized_export("int4", small_model_dir_gguf_blocks, tmp_path_factory)
 
 
 def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int = 2, seq_len: int = 16):

@@ -86,7 +86,7 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
     from safetensors.torch import load_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from exporter.base_weights import quantize_base
+    from exporter.base_weights import adopt_stored, quantize_base
     from exporter.chunk_model import BPChunkModel, ChunkModel, lora_config
     from exporter.readout_lens import from_tensors
 
@@ -106,6 +106,7 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
         if m:  # the file keeps the full model's layer numbers
             name = f"model.layers.{int(m.group(1)) - first}.{m.group(2)}"
         tensors[name] = t
+    adopt_stored(base, tensors)  # int4: Q4_0, or the GGUF's own Q4_1 / Q8_0 blocks
     base.load_state_dict(tensors, strict=False, assign=True)
     base.model.rotary_emb = type(base.model.rotary_emb)(config=conf)  # its tables are computed, not stored
     for p in base.parameters():
