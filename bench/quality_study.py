@@ -102,13 +102,12 @@ class Study:
             f = Path(self.a.cache) / "lenses" / f"{task}_n{budget}_seq{self.a.seq_len}_d{self.a.data_seed}.pt"
             if f.exists():
                 self.lenses[key] = torch.load(f)
-            elif self.a.base_weights != "fp32":  # zl-export fits the lens before it quantizes the base
-                sys.exit(f"bench/quality_study.py: no lens for {task} at {budget} samples in {f.parent}; "
-                         "run the fp32 base's cells first (they fit it)")
             else:
                 (data, _), s = self.task_data(task), self.settings(1, "qv")
                 mbs = Q.batches(data["train"][:budget], range(budget), s.micro_batch, s.seq_len, s.pad_id)
-                self.lenses[key] = Q.fit_lenses(self.base, mbs, log=self.log)
+                # on the fp32 base, also for a quantized one: zl-export fits the lens before it quantizes
+                fp32 = self.base if self.a.base_weights == "fp32" else Q.load_base(Path(self.a.cache))[0]
+                self.lenses[key] = Q.fit_lenses(fp32, mbs, log=self.log)
                 f.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(self.lenses[key], f)
         return self.lenses[key]
