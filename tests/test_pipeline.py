@@ -31,16 +31,21 @@ def test_every_stage_local_loss_goes_down(trained):
 def test_hidden_state_arrives_before_the_senders_phase2_ends(trained):
     out, manifest, result, records = trained
     tel = {(r["stage"], r["micro_batch"]): r for r in records if r["type"] == "TELEMETRY" and r.get("kind") == "micro_batch"}
-    checked = 0
+    checked, early = 0, {0: 0, 1: 0}
     for (k, mb), r in tel.items():
         if k + 1 < 3:
             nxt = tel[(k + 1, mb)]
             # early forwarding: h_k was on the wire (loopback: in the receiver's socket) before
-            # the sender started phase 2; the receiver's own record comes after phase 1 ended
-            assert r["phase1_end"] <= r["forwarded"] <= r["published"] < r["phase2_end"], (k, mb)
+            # the sender started phase 2; the receiver's own record comes after phase 1 ended.
+            # No "forwarded": the receiver had granted no credit yet (a loaded machine), so the
+            # link thread sent it after the record
+            if "forwarded" in r:
+                assert r["phase1_end"] <= r["forwarded"] <= r["published"] < r["phase2_end"], (k, mb)
+                early[k] += 1
             assert r["phase1_end"] <= nxt["received"]
             checked += 1
     assert checked == 2 * 8
+    assert all(early.values()), early  # each sender forwarded some h_k before its phase 2
 
 
 def test_each_window_committed_once_and_lora_gathered(trained):
