@@ -56,7 +56,13 @@ def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = extreme / -8
     inv = torch.where(d == 0, 0.0, 1.0 / d)
     q = torch.floor(g * inv + 8.5).clamp(0, 15).to(torch.int16).reshape(rows, cols)  # ggml truncates; > 0 here
-    return (q[:, :cols // 2] + 16 * (q[:, cols // 2:] - 8)).to(torch.int8), d.squeeze(-1).half()
+    return _pack_nibbles(q), d.squeeze(-1).half()
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """4-bit values q [rows, cols] (0..15, int16) -> int8 [rows, cols / 2]: byte j = q_j + 16 (q_{j + cols/2} - 8)."""
+    half = q.shape[1] // 2
+    return (q[:, :half] + 16 * (q[:, half:] - 8)).to(torch.int8)
 
 
 def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -76,9 +82,7 @@ def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     q = torch.round(torch.where(df == 0, 0.0, (g - lo) / torch.where(df == 0, 1.0, df))).clamp(0, 15)
     if not torch.equal(q * df + lo, g):
         return None
-    q = q.to(torch.int16).reshape(rows, cols)
-    packed = (q[:, :cols // 2] + 16 * (q[:, cols // 2:] - 8)).to(torch.int8)
-    return packed, torch.cat([d, m], dim=-1)
+    return _pack_nibbles(q.to(torch.int16).reshape(rows, cols)), torch.cat([d, m], dim=-1)
 
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
