@@ -91,15 +91,16 @@ def stage_cores(i: int, per_stage: int, cores: list[int]) -> list[int]:
 
 def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, watchdog_s: float = 180.0,
              phone_args=(), cores_per_stage: int = 1, links: str = "limiter", delay_ms: float = 0.0,
-             shares: list[float] | None = None):
-    """One run. PipeDream's schedule (no flush) runs the next window's warm-up forwards before the
+             shares: list[float] | None = None, coordinator_base=None, harvest=None):
+    """One run (`coordinator_base`: a Coordinator subclass to run; `harvest(root)`: called on the
+    phones' files before they are removed). PipeDream's schedule (no flush) runs the next window's warm-up forwards before the
     last backwards of a window, so on the run's last window stage k waits for num_stages-1-k
     inputs that the coordinator never feeds (it feeds windows x window_size) and the run hangs.
     For pipedream the host therefore feeds num_stages-1 extra micro-batches past the end; they are
     forwarded but never stepped, and are left out of every figure (window >= windows)."""
     from host.coordinator import Coordinator
 
-    class BenchCoordinator(Coordinator):
+    class BenchCoordinator(coordinator_base or Coordinator):
         def setup(self):
             super().setup()
             if self.settings.schedule == "pipedream":
@@ -129,6 +130,8 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
         from host.netns import ShapedNetwork
         with ShapedNetwork(n_phones, rate) as network:  # Local too, so only the rate differs across the sweep
             out = run(network)
+    if harvest is not None:
+        harvest(root)
     # every phone holds a copy of the export (GBs at TinyLlama shape); a failed run's stay, for its logs
     shutil.rmtree(root, ignore_errors=True)
     return out

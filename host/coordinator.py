@@ -155,6 +155,8 @@ class Coordinator:
                 "busy_ms": int(s.compute_timeout * 1000)}
         if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
             conf["keep_checkpoints"] = self.horizon // s.window_size + 3
+        if s.keep_checkpoints:
+            conf["keep_checkpoints"] = max(conf.get("keep_checkpoints", 0), s.keep_checkpoints)
         if s.alpha_for(st.k) is not None:
             conf["alpha"] = s.alpha_for(st.k)
         mine = [{"window": f.get("window"), "point": f.get("point", "after-phase1"),
