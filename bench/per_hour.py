@@ -41,6 +41,7 @@ from bench.pipeline import LATENCY_MS, LINKS, run_once  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "per_hour.json"
 DOC = ROOT / "docs" / "BENCHMARKS.md"
+KEEP = "### Findings"  # written by hand below the generated part, kept on re-render
 HEADING = "## Per hour of phone time: ZeroLock vs GPipe and 1F1B on three phones (bench/per_hour.py, issue 32)"
 CHUNKS = "0-9,10-19,20-29"
 BP = ("gpipe", "1f1b")
@@ -269,7 +270,7 @@ def main(argv=None) -> int:
     if a.render:
         res = json.loads(Path(a.render).read_text())
         plot(res, Path(res["plot"]))
-        replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks")
+        replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks", keep_from=KEEP)
         return 0
 
     from bench.common import cpu_shares
@@ -308,7 +309,7 @@ def main(argv=None) -> int:
     summarise(res)
     out.write_text(json.dumps(res, indent=1))
     plot(res, out.with_suffix(".png"))
-    replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks")
+    replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks", keep_from=KEEP)
     for r in runs:
         hit = r.get("reached")
         when = "not reached" if hit is None else f"after {hit['seconds'] / 60:.1f} min ({hit['samples']} samples)"

@@ -196,6 +196,8 @@ def _calibration_stage(handle, n: int, export_dir: Path, run_root: Path, count: 
     finally:
         if sink is not None:
             sink.close()
+            # what reached the host: the stage's own bytes_out is read before its link thread sends
+            (run_dir / "sink.json").write_text(json.dumps({"received": sink.received, "micro_batches": count}))
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     mbs = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind", "micro_batch") == "micro_batch"]
     win = [r for r in records if r.get("type") == "TELEMETRY" and r.get("kind") == "window"]

@@ -55,9 +55,11 @@ def test_profile_two_emulated_phones(profiled, capsys):
         mbs = [r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines()) if "phase2_end" in r]
         ends = [r["phase2_end"] for r in mbs]
         # each calibration stage sent its hidden states downstream (to the host's sink), as a stage
-        # with a next one does in a run; bytes_out counts what the link has sent so far, and the link
-        # sends on its own thread once the sink grants credit, so the first records may read 0
-        assert mbs and mbs[-1]["bytes_out"] > 0 and sorted(r["bytes_out"] for r in mbs) == [r["bytes_out"] for r in mbs], d
+        # with a next one does in a run: counted where they arrive (the stage's bytes_out is read
+        # before its link thread sends, so under load even the last record may read 0)
+        sink = json.loads((d / "sink.json").read_text())
+        assert 0 < sink["received"] <= sink["micro_batches"], (d, sink)
+        assert sorted(r["bytes_out"] for r in mbs) == [r["bytes_out"] for r in mbs], d
         name = d.name.split("-")[0]
         lo, hi = spans.get(name, (min(ends), max(ends)))
         spans[name] = (min(lo, *ends), max(hi, *ends))
