@@ -223,7 +223,9 @@ def plot(res, path: Path) -> None:
 
 def markdown(res) -> str:
     s = res["settings"]
-    lines = [f"Run {res['date']} on {res['machine']}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
+    mach = res["machine"]
+    where = f"{mach['cpu']}, {mach['cores']} cores" if isinstance(mach, dict) else mach
+    lines = [f"Run {res['date']} on {where}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
              f"chunks {CHUNKS}), WordNet classification, {s['budget']} training samples (micro-batch {s['micro_batch']} "
              f"x window {s['window']}), seed {s['seed']}, three emulated phones at {', '.join(f'{x:g}' for x in s['cpu_shares'])} "
              f"of a core each, links shaped by {s['link_kind']}; held-out accuracy on {s['eval_rows']} test rows after "
