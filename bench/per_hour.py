@@ -100,9 +100,10 @@ def stamped_coordinator():
 
 def train(export, mbs, method, rate, a, out: Path) -> dict:
     """One run on three budgeted phones; keeps every --snapshot-every'th window's adapter in `out`."""
-    from safetensors.numpy import load_file, save_file
+    from safetensors.torch import save_file
 
     from host.plan import RunSettings
+    from zl_mobile.checkpoint import checkpoint_name, read_lora
 
     windows = len(mbs) // a.window
     keep = sorted({*range(a.snapshot_every - 1, windows, a.snapshot_every), windows - 1})
@@ -115,8 +116,8 @@ def train(export, mbs, method, rate, a, out: Path) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         for w in keep:
             lora = {}
-            for f in Path(root).glob(f"phones/*/stages/bench/stage_*/ckpt-{w:08d}.safetensors"):
-                lora.update({k.removeprefix("lora/"): v for k, v in load_file(str(f)).items() if k.startswith("lora/")})
+            for f in Path(root).glob(f"phones/*/stages/bench/stage_*/{checkpoint_name(w)}"):
+                lora.update(read_lora(f))
             save_file(lora, str(out / f"window-{w:06d}.safetensors"))
 
     t = time.time()

@@ -204,7 +204,7 @@ def test_a_long_runtime_call_is_not_taken_for_a_dead_phone(baseline, tmp_path):
 def test_keep_checkpoints_keeps_every_window_for_a_study_of_the_adapter_over_time(baseline, tmp_path):
     """RunSettings.keep_checkpoints: each stage keeps that many window checkpoints (bench/per_hour.py
     evaluates the adapter as it stood after every window); the default keeps two."""
-    from safetensors.numpy import load_file
+    from zl_mobile.checkpoint import checkpoint_name, read_lora
 
     out, mbs, base, _ = baseline
     result, _ = run_pipeline(out, tmp_path, RunSettings(windows=WINDOWS, **SETTINGS, keep_checkpoints=WINDOWS), mbs)
@@ -213,8 +213,8 @@ def test_keep_checkpoints_keeps_every_window_for_a_study_of_the_adapter_over_tim
     assert sorted(kept) == ["stage_0", "stage_1", "stage_2"]
     assert all(v == [f"ckpt-{w:08d}.safetensors" for w in range(WINDOWS)] for v in kept.values()), kept
     last = {}
-    for p in tmp_path.glob(f"phones/*/stages/test/stage_*/ckpt-{WINDOWS - 1:08d}.safetensors"):
-        last.update({k.removeprefix("lora/"): v for k, v in load_file(str(p)).items() if k.startswith("lora/")})
+    for p in tmp_path.glob(f"phones/*/stages/test/stage_*/{checkpoint_name(WINDOWS - 1)}"):
+        last.update(read_lora(p))
     assert sorted(last) == sorted(result["lora"]) and all(np.array_equal(last[k], result["lora"][k]) for k in last)
     default = {p.resolve() for p in tmp_path.parent.glob("base*/phones/*/stages/test/stage_*/ckpt-*.safetensors")}
     assert default and len(default) == 3 * 2  # the baseline run (default settings): the last two windows per stage

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 POINTER = "COMMITTED"
+LORA, OPT = "lora/", "opt/"  # key prefixes of a checkpoint file's two groups of tensors
 
 
 class CheckpointError(Exception):
@@ -41,6 +42,19 @@ def _fsync_dir(path: Path) -> None:
 from zl_common.hashing import sha256_file as _sha256  # noqa: E402
 
 
+def _group(tensors: dict, prefix: str) -> dict:
+    return {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+
+
+def checkpoint_name(window: int) -> str:
+    return f"ckpt-{window:08d}.safetensors"
+
+
+def read_lora(path: Path) -> dict[str, torch.Tensor]:
+    """The LoRA of one checkpoint file, by parameter name (for tools that read kept windows)."""
+    return _group(load_file(str(path)), LORA)
+
+
 class CheckpointStore:
     def __init__(self, directory: Path, keep: int = 2):
         self.dir = Path(directory)
@@ -61,10 +75,10 @@ class CheckpointStore:
 
     def commit(self, ckpt: Checkpoint) -> str:
         """Durably write `ckpt` and record it as committed; returns its sha256."""
-        name = f"ckpt-{ckpt.window:08d}.safetensors"
+        name = checkpoint_name(ckpt.window)
         final, tmp = self.dir / name, self.dir / (name + ".tmp")
-        tensors = {f"lora/{k}": v.contiguous() for k, v in ckpt.lora.items()}
-        tensors.update({f"opt/{k}": v.contiguous() for k, v in ckpt.optimizer.items()})
+        tensors = {f"{LORA}{k}": v.contiguous() for k, v in ckpt.lora.items()}
+        tensors.update({f"{OPT}{k}": v.contiguous() for k, v in ckpt.optimizer.items()})
         meta = {"window": str(ckpt.window), "step": str(ckpt.step), "meta": json.dumps(ckpt.meta)}
         save_file(tensors, str(tmp), metadata=meta)
         self._hook("mid-checkpoint")
@@ -107,7 +121,7 @@ class CheckpointStore:
             (self.dir / POINTER).unlink(missing_ok=True)
             later = list(self.dir.glob("ckpt-*.safetensors"))
         else:
-            name = f"ckpt-{window:08d}.safetensors"
+            name = checkpoint_name(window)
             path = self.dir / name
             if not path.exists():
                 raise CheckpointError(f"no checkpoint of window {window} is kept here (keep={self.keep}): "
@@ -139,8 +153,7 @@ class CheckpointStore:
         tensors = load_file(str(path))
         meta = self._meta_of(path)
         return Checkpoint(window=int(meta["window"]), step=int(meta["step"]),
-                          lora={k[5:]: v for k, v in tensors.items() if k.startswith("lora/")},
-                          optimizer={k[4:]: v for k, v in tensors.items() if k.startswith("opt/")},
+                          lora=_group(tensors, LORA), optimizer=_group(tensors, OPT),
                           meta=json.loads(meta["meta"]))
 
 
