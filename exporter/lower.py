@@ -197,15 +197,35 @@ def _quiet_to_backend_deprecation():
         log.removeFilter(drop)
 
 
+# Phase 1's outputs get a memory id of their own: ids 1 and 2 are what ExecuTorch's C++ Module
+# shares across methods (share_memory_arenas), higher ids stay with their method.
+PHASE1_OUTPUTS_MEM_ID = 3
+
+
 def memory_plans() -> dict:
     """Phase 2's inputs are not planned into its arena: the runtime binds the caller's tensors
     in place (ExecuTorch shares the data pointer of an input that has no planned storage), so
     the saved activations are not copied into a second arena, and a caller that keeps phase 1's
     outputs where phase 1 wrote them (ChunkProgram(in_place=True)) holds them exactly once.
-    Outputs stay planned: ExecuTorch's C++ Module (Android) binds no storage for unplanned outputs."""
+    Outputs stay planned: ExecuTorch's C++ Module (Android) binds no storage for unplanned outputs.
+    Phase 1's outputs are planned apart from its working memory (PHASE1_OUTPUTS_MEM_ID), so a
+    runtime that gives both methods one arena (the Kotlin bridge) keeps the saved activations
+    while phase 2 reuses the memory phase 1 worked in."""
     from executorch.exir.passes import MemoryPlanningPass
+    from executorch.exir.tensor import TensorSpec
+    from torch.utils._pytree import tree_leaves
 
-    return {"phase1": MemoryPlanningPass(), "phase2": MemoryPlanningPass(alloc_graph_input=False)}
+    class OutputsApart(MemoryPlanningPass):
+        def run(self, graph_module, graph_signature=None):
+            out = next(n for n in graph_module.graph.nodes if n.op == "output")
+            for node in tree_leaves(out.args):
+                spec = getattr(node, "meta", {}).get("spec")
+                for s in spec if isinstance(spec, (list, tuple)) else [spec]:
+                    if isinstance(s, TensorSpec) and not s.const:
+                        s.mem_id = PHASE1_OUTPUTS_MEM_ID
+            return super().run(graph_module, graph_signature)
+
+    return {"phase1": OutputsApart(), "phase2": MemoryPlanningPass(alloc_graph_input=False)}
 
 
 def lower_joint(ep):

@@ -1,5 +1,7 @@
 """The exported programs are right: program == eager, two-phase == one-method, no forward
 recompute in phase 2, and a few optimizer steps follow the eager trajectory."""
+import math
+
 import pytest
 import torch
 from peft import get_peft_model
@@ -146,6 +148,28 @@ def test_phase2_reads_phase1_outputs_in_place(small_export):
     with pytest.raises(ProgramError, match="overwritten in place"):
         in_place.phase2(lora, saved_i, batch)
     assert in_place.phase2(lora, again, batch).loss == res_c.loss
+
+
+def test_phase1_outputs_are_planned_apart_from_its_working_memory(small_export):
+    """Phase 1's outputs (h and the saved activations phase 2 reads) lie in a memory id of their
+    own, its working tensors in id 1, and phase 2 plans only id 1: so a runtime that gives both
+    phases one working arena (ExecuTorch's share_memory_arenas, the Kotlin bridge) keeps what
+    phase 2 reads. Checked on the ZeroLock and the BP programs, against the outputs' sizes."""
+    from executorch.exir._serialize._program import deserialize_pte_binary
+
+    from exporter.lower import PHASE1_OUTPUTS_MEM_ID
+
+    out, manifest, _, _ = small_export
+    sizes = {"float32": 4, "int64": 8, "int32": 4}
+    for chunk in manifest["chunks"]:
+        for entry in (chunk, chunk["bp"]):
+            prog = deserialize_pte_binary((out / entry["program"]).read_bytes())
+            plans = {p.name: list(p.non_const_buffer_sizes) for p in getattr(prog, "program", prog).execution_plan}
+            outputs = sum(sizes[o["dtype"]] * math.prod(o["shape"]) for o in entry["methods"]["phase1"]["outputs"])
+            p1, p2 = plans["phase1"], plans["phase2"]
+            assert len(p1) == PHASE1_OUTPUTS_MEM_ID + 1 and p1[1] > 0, (entry["program"], p1)
+            assert outputs <= p1[PHASE1_OUTPUTS_MEM_ID] < outputs + 64 * len(entry["methods"]["phase1"]["outputs"]), (p1, outputs)
+            assert len(p2) == 2, (entry["program"], p2)
 
 
 def test_optimizer_steps_follow_the_eager_trajectory(small_export):

@@ -130,6 +130,7 @@ struct MethodState {
 
 struct Program {
   std::unique_ptr<Module> module;
+  bool shared_arenas = false;  // methods share memory ids 1 and 2 (outputs_planned_apart)
   std::map<std::string, MethodState> methods;
   std::mutex mu;  // Module is not thread-safe
 };
@@ -148,6 +149,17 @@ MethodState& method_state(Program& p, const std::string& method) {
   Error e = p.module->load_method(method);
   if (e != Error::Ok) fail(kIllegalState, "could not load method '" + method + "' (" + et_error(e) + ")");
   return p.methods[method];
+}
+
+// Whether the program plans phase 1's outputs in a memory id above the two a Module shares across
+// methods (zl-export's PHASE1_OUTPUTS_MEM_ID = 3), so that sharing cannot overwrite what phase 2 reads.
+bool outputs_planned_apart(Module& m) {
+  constexpr size_t kOutputsMemId = 3;
+  auto meta = m.method_meta("phase1");
+  // MethodMeta hides the reserved memory id 0: buffer index i is memory id i + 1
+  if (!meta.ok() || meta->num_memory_planned_buffers() < kOutputsMemId) return false;
+  auto size = meta->memory_planned_buffer_size(kOutputsMemId - 1);
+  return size.ok() && *size > 0;
 }
 
 // ---- JNI helpers ------------------------------------------------------------------------------
@@ -220,12 +232,22 @@ JNIEXPORT jlong JNICALL Java_org_zerolock_core_executorch_EtNative_nLoad(JNIEnv*
     init_once();
     std::string pte = jstr(env, jpte);
     auto p = std::make_unique<Program>();
-    if (jptd != nullptr) {
-      p->module = std::make_unique<Module>(pte, jstr(env, jptd), Module::LoadMode::Mmap);
-    } else {
-      p->module = std::make_unique<Module>(pte, Module::LoadMode::Mmap);
-    }
+    // One working arena for all methods (memory ids 1 and 2) where the export allows it: phase 2
+    // then reuses what phase 1 worked in. Phase 1's outputs, which phase 2 reads by reference, must
+    // then lie in an id of their own (zl-export's PHASE1_OUTPUTS_MEM_ID), which stays phase 1's;
+    // an older export keeps them in id 1, so its methods keep separate arenas.
+    auto open = [&](bool share) {
+      return jptd != nullptr ? std::make_unique<Module>(pte, jstr(env, jptd), Module::LoadMode::Mmap, nullptr,
+                                                        nullptr, nullptr, share)
+                             : std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, share);
+    };
+    p->module = open(false);
     Error e = p->module->load();
+    if (e == Error::Ok && outputs_planned_apart(*p->module)) {
+      p->module = open(true);
+      p->shared_arenas = true;
+      e = p->module->load();
+    }
     if (e != Error::Ok)
       fail(kIllegalArgument, "could not load " + pte + (jptd ? " with its weights " + jstr(env, jptd) : "") + " (" +
                                  et_error(e) + "): not an ExecuTorch program, or weights of another export");
@@ -260,6 +282,10 @@ JNIEXPORT jobjectArray JNICALL Java_org_zerolock_core_executorch_EtNative_nMetho
     for (const auto& n : *names) env->SetObjectArrayElement(out, i++, env->NewStringUTF(n.c_str()));
     return out;
   });
+}
+
+JNIEXPORT jboolean JNICALL Java_org_zerolock_core_executorch_EtNative_nSharedArenas(JNIEnv* env, jclass, jlong handle) {
+  return guarded(env, [&]() -> jboolean { return program_of(handle)->shared_arenas ? JNI_TRUE : JNI_FALSE; });
 }
 
 // Runs `method`. Input i is inData[i] (a byte[] or a direct ByteBuffer, copied into the method's

@@ -43,6 +43,7 @@ class ExecuTorchBackendTest {
     @Test
     fun `both phases of both chunks match the Python runtime bit for bit`() {
         for (k in 0..1) load(k).use { b ->
+            assertTrue(b.sharedArenas, "chunk $k: zl-export plans phase 1's outputs apart, so both phases share one working arena")
             val p1Names = names(k, "phase1", "outputs")
             val p1 = b.run("phase1", names(k, "phase1", "inputs").map { input(k, it) }, p1Names)
             assertEquals(p1Names.size, p1.size)
@@ -78,6 +79,9 @@ class ExecuTorchBackendTest {
                 val p2 = runner.phase2(batch, p1, lora)
                 for ((n, g) in p2.grads) assertSameBytes(ref["$k/phase2/grad:$n"]!!, Tensor.ofFloats(g, *runner.loraShapes[n]!!), "chunk $k grad:$n")
                 assertEquals(ref["$k/phase2/loss"]!!.toFloatArray()[0].toDouble(), p2.loss)
+                // phase 2 works in the arena phase 1 worked in: what it reads of phase 1 lies apart, unharmed
+                val p2again = runner.phase2(batch, p1, lora)
+                for ((n, g) in p2.grads) assertArrayEquals(g, p2again.grads[n], "chunk $k grad:$n, phase 2 run twice on one phase 1")
                 // a second phase 1 replaces the first one's kept activations: its phase 2 is refused, never run on them
                 val again = runner.phase1(batch, lora)
                 val stale = assertThrows<IllegalStateException> { runner.phase2(batch, p1, lora) }

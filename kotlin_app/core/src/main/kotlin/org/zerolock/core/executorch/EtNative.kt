@@ -15,6 +15,8 @@ internal external fun nInitRuntime(threads: Int, verbose: Boolean): String
 internal external fun nLoad(pte: String, ptd: String?): Long
 internal external fun nClose(handle: Long)
 internal external fun nMethodNames(handle: Long): Array<String>
+/** Whether the program's methods share one working arena (its phase 1 outputs are planned apart). */
+internal external fun nSharedArenas(handle: Long): Boolean
 /** See the C++ side: [generation], then per output a `long[] {dtype, dims...}` and its bytes or null (kept). */
 internal external fun nRun(handle: Long, method: String, inData: Array<Any?>, inDtype: IntArray, inShape: Array<LongArray?>,
                           keptIndex: IntArray, keptMethod: String?, keptGeneration: Long, keep: BooleanArray?): Array<Any?>

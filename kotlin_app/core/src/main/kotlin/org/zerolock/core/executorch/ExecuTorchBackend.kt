@@ -19,6 +19,10 @@ class ExecuTorchBackend private constructor(private var handle: Long, val progra
     /** The program's methods (ExecuTorch's training metadata methods `__et_*` included). */
     val methods: Set<String> get() = synchronized(this) { nMethodNames(live()).toSet() }
 
+    /** Whether phase 2 works in the memory phase 1 worked in (one arena for both; zl-export plans
+     *  phase 1's outputs, which phase 2 reads, apart from it). False for exports older than that. */
+    val sharedArenas: Boolean get() = synchronized(this) { nSharedArenas(live()) }
+
     private fun live(): Long = if (handle != 0L) handle else throw IllegalStateException("${program.name} was closed")
 
     override fun run(method: String, inputs: List<Tensor>, outputNames: List<String>): List<Tensor> =
