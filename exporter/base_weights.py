@@ -13,8 +13,9 @@ can instead keep
   types (Q6_K, ...) and float weights are quantized to Q4_0.
 A Linear computes x @ (q * scale)^T: the weight decoded to fp32, then an fp32 GEMM. LoRA,
 activations and all arithmetic stay fp32, as in QLoRA. The decoded fp32 weight (and int4's
-decode steps) are the only weight-sized temporaries, one weight at a time. They depend on weights
-alone, so the two-phase split recomputes them in phase 2 instead of saving them as activations
+decode steps) are the only weight-sized temporaries, one row block of one weight at a time
+(row_blocks; the export's decode_block_weights). They depend on weights alone, so the two-phase
+split recomputes them in phase 2 instead of saving them as activations
 (graph_passes.sink_weight_only_nodes keeps each decode next to its use). In eager PyTorch autograd would save
 the decoded weight for the backward; _FrozenLinearFn decodes it again instead.
 
@@ -28,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import BASE_WEIGHTS
+from .config import BASE_WEIGHTS, DECODE_BLOCK_WEIGHTS
 
 GROUP = 32  # int4: weights per scale (a Q4_0 block)
 
@@ -176,71 +177,104 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tor
     return q.to(dtype) * scale.to(dtype)[..., None]
 
 
-def linear(x: torch.Tensor, w) -> torch.Tensor:
+def block_rows(cols: int, block_weights: int) -> int:
+    """Rows per decoded block of a weight with `cols` columns: at most `block_weights` weights."""
+    return max(1, block_weights // cols)
+
+
+def row_blocks(q: torch.Tensor, scale: torch.Tensor, rows: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A quantized weight as blocks of `rows` rows (all of it for None): what is decoded to fp32
+    at once. Rows carry their own scales, so any row split is exact."""
+    if rows is None or rows >= q.shape[0]:
+        return [(q, scale)]
+    return list(zip(q.split(rows), scale.split(rows)))
+
+
+def linear(x: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
     """x @ W^T for a frozen W given as an fp32 tensor or (quantized rows, their scales). The weight
     is decoded first, then fp32 GEMMs: a GEMM fed straight from the int8 cast would look to XNNPACK
-    like a quantized GEMM and stay out of its delegates. int4: one product per column half."""
+    like a quantized GEMM and stay out of its delegates. int4: one product per column half.
+    `rows`: decode and multiply the weight in blocks of that many rows (row_blocks), each block's
+    output a slice of y, so that the decode's working set is a block's, not the weight's."""
     if not isinstance(w, tuple):
         return F.linear(x, w)
-    q, scale = w
-    if not _packed(q, scale):
-        return F.linear(x, dequantize(q, scale, x.dtype))
-    low, high = dequantize_halves(q, scale, x.dtype)
     # 2-D, so that each product is one GEMM (a strided 3-D input would be a batched matmul over
-    # copies of the weight); split, whose backward is a concatenation (a slice's: zeros + scatters)
-    x_low, x_high = x.reshape(-1, x.shape[-1]).split(low.shape[-1], dim=-1)
-    return (F.linear(x_low, low) + F.linear(x_high, high)).reshape(*x.shape[:-1], low.shape[0])
+    # copies of the weight)
+    x2 = x.reshape(-1, x.shape[-1])
+    blocks = row_blocks(*w, rows)
+    if _packed(*w):  # x's column halves, split once for all blocks (a split is a copy in the program;
+        # its backward a concatenation: a slice's would be zeros + scatters)
+        x_low, x_high = x2.split(x2.shape[-1] // 2, dim=-1)
+        ys = [F.linear(x_low, low) + F.linear(x_high, high)
+              for low, high in (dequantize_halves(q, scale, x.dtype) for q, scale in blocks)]
+    else:
+        ys = [F.linear(x2, dequantize(q, scale, x.dtype)) for q, scale in blocks]
+    y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def matmul(g: torch.Tensor, w) -> torch.Tensor:
-    """g @ W for a frozen W given as an fp32 tensor or (quantized rows, their scales)."""
-    if not isinstance(w, tuple):
-        return g @ w
-    q, scale = w
+def _matmul_block(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     if not _packed(q, scale):
         return g @ dequantize(q, scale, g.dtype)
     low, high = dequantize_halves(q, scale, g.dtype)
     return torch.cat([g @ low, g @ high], dim=-1)
 
 
+def matmul(g: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
+    """g @ W for a frozen W given as an fp32 tensor or (quantized rows, their scales): in blocks
+    of `rows` rows as linear decodes them, g's matching columns times each block, summed."""
+    if not isinstance(w, tuple):
+        return g @ w
+    blocks = row_blocks(*w, rows)
+    out, start = None, 0
+    for q, scale in blocks:
+        part = _matmul_block(g[..., start:start + q.shape[0]] if len(blocks) > 1 else g, q, scale)
+        out = part if out is None else out + part
+        start += q.shape[0]
+    return out
+
+
 class _FrozenLinearFn(torch.autograd.Function):
     """linear(x, (q, scale)), whose backward decodes q again instead of keeping an fp32 copy."""
 
     @staticmethod
-    def forward(ctx, x, q, scale):
+    def forward(ctx, x, q, scale, rows):
         ctx.save_for_backward(q, scale)  # weights: saving them holds no new memory
-        return linear(x, (q, scale))
+        ctx.rows = rows
+        return linear(x, (q, scale), rows)
 
     @staticmethod
     def backward(ctx, g):
         q, scale = ctx.saved_tensors
-        return matmul(g, (q, scale)), None, None
+        return matmul(g, (q, scale), ctx.rows), None, None, None
 
 
 def quantized_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, rows: int | None = None) -> torch.Tensor:
     if torch.compiler.is_exporting():  # traced as plain ops; the joint graph differentiates them
-        y = linear(x, (q, scale))
+        y = linear(x, (q, scale), rows)
     else:
-        y = _FrozenLinearFn.apply(x, q, scale)
+        y = _FrozenLinearFn.apply(x, q, scale, rows)
     return y if bias is None else y + bias
 
 
 class QuantizedLinear(nn.Linear):
     """A frozen Linear as quantized rows (`weight`) and their scales (`weight_scale`); a bias, where
     the model has one (Llama's attention_bias), stays fp32. An nn.Linear, so peft wraps it with
-    LoRA like the Linear it replaces."""
+    LoRA like the Linear it replaces. Decoded in blocks of `decode_rows` rows (at most
+    `block_weights` weights each)."""
 
-    def __init__(self, linear: nn.Linear, quantize):
+    def __init__(self, linear: nn.Linear, quantize, block_weights: int = DECODE_BLOCK_WEIGHTS):
         nn.Module.__init__(self)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         q, scale = quantize(linear.weight)
         self.weight = nn.Parameter(q, requires_grad=False)
         self.register_buffer("weight_scale", scale)
         self.bias = linear.bias
+        self.decode_rows = block_rows(self.in_features, block_weights)
 
     def forward(self, x):
-        return quantized_linear(x, self.weight, self.weight_scale, self.bias)
+        return quantized_linear(x, self.weight, self.weight_scale, self.bias, self.decode_rows)
 
 
 class QuantizedEmbedding(nn.Embedding):
@@ -263,9 +297,10 @@ class QuantizedEmbedding(nn.Embedding):
 QUANTIZERS = {"int8": quantize_rows, "int4": quantize_int4}
 
 
-def quantize_base(model, base_weights: str) -> int:
+def quantize_base(model, base_weights: str, block_weights: int = DECODE_BLOCK_WEIGHTS) -> int:
     """Store a LlamaForCausalLM's frozen Linears and embedding as `base_weights` (in place; before
-    peft wraps it). Returns how many modules were replaced."""
+    peft wraps it), each Linear decoded at most `block_weights` weights at a time (the export's
+    decode_block_weights). Returns how many modules were replaced."""
     if base_weights not in BASE_WEIGHTS:
         raise ValueError(f"unknown base weights {base_weights!r}: use {', '.join(BASE_WEIGHTS)}")
     if base_weights == "fp32":
@@ -277,7 +312,8 @@ def quantize_base(model, base_weights: str) -> int:
             if type(child) not in (nn.Linear, nn.Embedding):
                 continue
             try:
-                new = (QuantizedLinear if type(child) is nn.Linear else QuantizedEmbedding)(child, quantize)
+                new = (QuantizedLinear(child, quantize, block_weights) if type(child) is nn.Linear
+                       else QuantizedEmbedding(child, quantize))
             except ValueError as e:
                 where = f"{parent_name}.{name}" if parent_name else name
                 raise ValueError(f"--base-weights {base_weights}: {where}: {e}; use --base-weights int8") from None

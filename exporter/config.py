@@ -4,6 +4,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 BASE_WEIGHTS = ("fp32", "int8", "int4")  # how the frozen base weights are stored (exporter/base_weights.py)
+# The most frozen weights a quantized base decodes to fp32 at once (16 MiB): a TinyLlama MLP
+# weight (11.5 M) decodes in 3 row blocks, its attention weights (4 M) whole, lm_head in blocks of
+# 2,048 rows. The decode keeps ~4 tensors of a block's half live: with whole weights they were
+# most of a TinyLlama-shape chunk's working arena (75-95 MiB; 43-44 in blocks).
+DECODE_BLOCK_WEIGHTS = 1 << 22
 READOUTS = ("static", "lens")  # what the frozen lm_head reads a chunk's h through (exporter/readout_lens.py)
 
 
@@ -27,6 +32,8 @@ class ExportConfig:
     # weight memory) or "int4" Q4_0 blocks (0.14x; a GGUF's Q4_1 / Q8_0 blocks kept as they are);
     # see exporter/base_weights.py
     base_weights: str = "fp32"
+    # int8 / int4: the most weights decoded at once (a Linear's rows in blocks; lm_head's blocks)
+    decode_block_weights: int = DECODE_BLOCK_WEIGHTS
     # "static": the final norm on every chunk's h (the seed's option (a)); "lens": a calibrated
     # lens per chunk boundary, fitted at export time on calibration text (readout_lens.py)
     readout: str = "static"

@@ -186,7 +186,7 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             lenses, lens_info = _readout_lenses(model, ranges, cfg, tmp, calibration, lenses, say)
         else:
             lenses = None
-        quantize_base(model, cfg.base_weights)
+        quantize_base(model, cfg.base_weights, cfg.decode_block_weights)
         if cfg.base_weights != "fp32":
             say(f"frozen base weights stored as {cfg.base_weights}: {stored_formats(model)}")
         peft_model = add_lora(model, cfg)

@@ -10,6 +10,7 @@ import pytest
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
 SMALL_LAYERS = 3
+SMALL_DECODE_BLOCK = 6144  # weights decoded at once in the small int4 export: the MLP's 8,192 in 2 row blocks
 SMALL_CHUNKS = "0-0,1-1,2-2"  # three one-layer chunks: three emulated phones
 
 
@@ -62,10 +63,10 @@ def small_export(small_model_dir, tmp_path_factory):
     return out, manifest, artifacts, cfg
 
 
-def _quantized_export(base_weights, small_model_dir, tmp_path_factory):
+def _quantized_export(base_weights, small_model_dir, tmp_path_factory, **cfg_kw):
     from exporter.export import export_model
 
-    cfg = small_export_config(base_weights=base_weights, backend="xnnpack")
+    cfg = small_export_config(base_weights=base_weights, backend="xnnpack", **cfg_kw)
     out = tmp_path_factory.mktemp(f"export_{base_weights}") / "out"
     manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"),
                                      eager_weights=True)
@@ -115,8 +116,9 @@ def small_model_dir_gguf_blocks(small_model_dir, tmp_path_factory) -> Path:
 def small_export_int4(small_model_dir_gguf_blocks, tmp_path_factory):
     """The same with int4 base weights (--base-weights int4), lowered to XNNPACK, from the small
     model with a GGUF's blocks in places: Q4_0 blocks, layer 1's Q4_1, the embedding's and the
-    readout's Q8_0."""
-    return _quantized_export("int4", small_model_dir_gguf_blocks, tmp_path_factory)
+    readout's Q8_0. Decoded in row blocks as a larger model's are (6,144 weights at once: the MLP
+    weights in 2 uneven blocks, lm_head in 6); the int8 export decodes each weight whole."""
+    return _quantized_export("int4", small_model_dir_gguf_blocks, tmp_path_factory, decode_block_weights=SMALL_DECODE_BLOCK)
 
 
 def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int = 2, seq_len: int = 16):

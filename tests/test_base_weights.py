@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 from exporter.base_weights import (QuantizedEmbedding, QuantizedLinear, block_format, dequantize, dequantize_groups,
                                    linear, matmul, quantize_base, quantize_groups, quantize_int4, quantize_rows,
-                                   stored_formats)
+                                   row_blocks, stored_formats)
 from exporter.verify import verify_all
-from tests.conftest import as_gguf_blocks, small_export_config
+from tests.conftest import SMALL_DECODE_BLOCK, as_gguf_blocks, small_export_config
 
 
 def test_quantize_rows_is_within_half_a_step_per_row():
@@ -86,11 +86,15 @@ QUANTIZERS = {"int8": quantize_rows, "int4": quantize_groups, "q4_1": _gguf_quan
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "q4_1", "q8_0"])
-@pytest.mark.parametrize("bias", [False, True])
-def test_quantized_linear_backward_decodes_the_weight_again_instead_of_saving_it(fmt, bias):
+@pytest.mark.parametrize("bias,block_weights", [(False, 1 << 22), (True, 1 << 22), (False, 32 * 128)])
+def test_quantized_linear_backward_decodes_the_weight_again_instead_of_saving_it(fmt, bias, block_weights):
+    """... and, where the weight is larger than block_weights, decodes it in row blocks (32 rows
+    of 128 columns: 32 + 32 + 16), with the same result."""
     torch.manual_seed(0)
-    lin = QuantizedLinear(nn.Linear(128, 80, bias=bias), QUANTIZERS[fmt])
+    lin = QuantizedLinear(nn.Linear(128, 80, bias=bias), QUANTIZERS[fmt], block_weights)
     assert block_format(lin.weight, lin.weight_scale) == {"int8": "rows", "int4": "q4_0"}.get(fmt, fmt)
+    assert lin.decode_rows == (32 if block_weights == 32 * 128 else 32768)
+    assert len(row_blocks(lin.weight, lin.weight_scale, lin.decode_rows)) == (3 if block_weights == 32 * 128 else 1)
     x = torch.randn(4, 128, requires_grad=True)
     saved = []
 
@@ -231,15 +235,17 @@ def test_no_two_dequantized_weights_are_live_at_once(small_model_dir, fmt, reque
     the joint graph orders first, and XNNPACK's partitioner re-sorts the graph and, for int4's
     decodes, would merge independent ones into one delegate)."""
     from exporter.chunk_model import ChunkModel, add_lora, example_inputs, input_names
-    from exporter.graph_passes import frozen_placeholders
+    from exporter.graph_passes import weight_only_nodes
     from exporter.lower import joint_program, lower_two_phase
     from exporter.model_source import load_model_dir
     from exporter.two_phase import split_at_marker
 
-    cfg = small_export_config(base_weights=fmt, backend="xnnpack")
-    # int4: the model with a GGUF's blocks in places, so Q4_1's decode is among them
+    # int4: the model with a GGUF's blocks in places, so Q4_1's decode is among them, decoded in row
+    # blocks as the int4 export is (the MLP's weights in 2)
+    cfg = small_export_config(base_weights=fmt, backend="xnnpack",
+                              **({"decode_block_weights": SMALL_DECODE_BLOCK} if fmt == "int4" else {}))
     model = load_model_dir(small_model_dir if fmt == "int8" else request.getfixturevalue("small_model_dir_gguf_blocks"))
-    quantize_base(model, fmt)
+    quantize_base(model, fmt, cfg.decode_block_weights)
     if fmt == "int4":
         assert stored_formats(model) == "14 Q4_0, 7 Q4_1 (the file's), 2 Q8_0 (the file's)"
     chunk = ChunkModel(add_lora(model, cfg), 0, 2, cfg).eval()  # three layers: 21 weights + readout
@@ -248,14 +254,20 @@ def test_no_two_dequantized_weights_are_live_at_once(small_model_dir, fmt, reque
                          quantized_base=True)
     for method in ("phase1", "phase2"):
         ep = et.exported_program(method)
-        weights = frozen_placeholders(ep)
+        weights = weight_only_nodes(ep)  # the stored weights and the row blocks split off them
         # each weight's int8 cast: an XNNPACK call of its own (graph_passes.casts_as_dequantize)
         casts = [g for n in ep.graph.nodes if "executorch_call_delegate" in str(n.target)
-                 and any(a in weights and a.meta["val"].dtype == torch.int8 for a in n.all_input_nodes)
+                 and any(a in weights and getattr(a.meta.get("val"), "dtype", None) == torch.int8
+                         for a in n.all_input_nodes)
                  for g in n.users]
         assert not [n for n in ep.graph.nodes if "to_dim_order_copy" in str(n.target)
                     and n.args[0].meta["val"].dtype == torch.int8], method  # no portable cast of a weight
         assert len(casts) >= 21, method  # every layer weight is dequantized in both phases
+        # int4: the MLP's 9 weights each decoded as 2 row blocks, both halves of each block cast apart
+        from_blocks = [g for g in casts if any(a.op != "placeholder" and a in weights and getattr(a.meta.get("val"), "dtype", None) == torch.int8
+                                               for a in g.args[0].all_input_nodes)]
+        if fmt == "int4":
+            assert len(from_blocks) >= 9 * 2 * 2, (method, len(from_blocks))
         spans = sorted(n.meta["spec"].lifetime for n in casts)
         overlapping = [(a, b) for a, b in zip(spans, spans[1:]) if b[0] <= a[1]]
         assert not overlapping, (method, overlapping[:3])

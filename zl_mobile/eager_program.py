@@ -95,7 +95,7 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
     conf._attn_implementation = "eager"  # as exported: plain attention with the chunk's additive mask
     with torch.device("meta"):  # no memory and no random init for weights that are loaded next
         base = LlamaForCausalLM(conf)
-        quantize_base(base, cfg.base_weights)  # the modules the export's weights were stored for
+        quantize_base(base, cfg.base_weights, cfg.decode_block_weights)  # the modules the export's weights were stored for
     stored = load_file(str(weights))
     lenses = from_tensors(stored)  # the readout lenses, if the export fitted them
     tensors = {}
