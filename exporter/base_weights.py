@@ -226,12 +226,8 @@ def matmul(g: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
     if not isinstance(w, tuple):
         return g @ w
     blocks = row_blocks(*w, rows)
-    out, start = None, 0
-    for q, scale in blocks:
-        part = _matmul_block(g[..., start:start + q.shape[0]] if len(blocks) > 1 else g, q, scale)
-        out = part if out is None else out + part
-        start += q.shape[0]
-    return out
+    parts = g.split([q.shape[0] for q, _ in blocks], dim=-1)
+    return sum(_matmul_block(part, q, scale) for part, (q, scale) in zip(parts, blocks))
 
 
 class _FrozenLinearFn(torch.autograd.Function):

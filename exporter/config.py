@@ -7,7 +7,7 @@ BASE_WEIGHTS = ("fp32", "int8", "int4")  # how the frozen base weights are store
 # The most frozen weights a quantized base decodes to fp32 at once (16 MiB): a TinyLlama MLP
 # weight (11.5 M) decodes in 3 row blocks, its attention weights (4 M) whole, lm_head in blocks of
 # 2,048 rows. The decode keeps ~4 tensors of a block's half live: with whole weights they were
-# most of a TinyLlama-shape chunk's working arena (75-95 MiB; 43-44 in blocks).
+# most of a TinyLlama-shape chunk's working arena (phase 1 / phase 2: 76 / 97 MiB; 42 / 61 in blocks).
 DECODE_BLOCK_WEIGHTS = 1 << 22
 READOUTS = ("static", "lens")  # what the frozen lm_head reads a chunk's h through (exporter/readout_lens.py)
 

@@ -255,17 +255,16 @@ def test_no_two_dequantized_weights_are_live_at_once(small_model_dir, fmt, reque
     for method in ("phase1", "phase2"):
         ep = et.exported_program(method)
         weights = weight_only_nodes(ep)  # the stored weights and the row blocks split off them
+        stored = [a for a in weights if getattr(a.meta.get("val"), "dtype", None) == torch.int8]
         # each weight's int8 cast: an XNNPACK call of its own (graph_passes.casts_as_dequantize)
         casts = [g for n in ep.graph.nodes if "executorch_call_delegate" in str(n.target)
-                 and any(a in weights and getattr(a.meta.get("val"), "dtype", None) == torch.int8
-                         for a in n.all_input_nodes)
+                 and any(a in stored for a in n.all_input_nodes)
                  for g in n.users]
         assert not [n for n in ep.graph.nodes if "to_dim_order_copy" in str(n.target)
                     and n.args[0].meta["val"].dtype == torch.int8], method  # no portable cast of a weight
         assert len(casts) >= 21, method  # every layer weight is dequantized in both phases
         # int4: the MLP's 9 weights each decoded as 2 row blocks, both halves of each block cast apart
-        from_blocks = [g for g in casts if any(a.op != "placeholder" and a in weights and getattr(a.meta.get("val"), "dtype", None) == torch.int8
-                                               for a in g.args[0].all_input_nodes)]
+        from_blocks = [g for g in casts if any(a in stored and a.op != "placeholder" for a in g.args[0].all_input_nodes)]
         if fmt == "int4":
             assert len(from_blocks) >= 9 * 2 * 2, (method, len(from_blocks))
         spans = sorted(n.meta["spec"].lifetime for n in casts)
