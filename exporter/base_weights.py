@@ -11,7 +11,9 @@ can instead keep
   fp32 for those weights) instead of quantizing them a second time. A Q4_0 file's values come
   through bit-exact as Q4_0 (requantizing Q4_0 values gives back the same blocks); other GGUF
   types (Q6_K, ...) and float weights are quantized to Q4_0.
-A Linear computes x @ (q * scale)^T: the weight decoded to fp32, then an fp32 GEMM. LoRA,
+A Linear computes x @ (q * scale)^T: the weight decoded to fp32, then an fp32 GEMM; int8 rows
+as (x @ q^T) * scale, the per-row scales applied to the product (tokens x rows) rather than to
+the weight (rows x cols: a pass over the decoded weight, 13% of int8's step). LoRA,
 activations and all arithmetic stay fp32, as in QLoRA. The decoded fp32 weight (and int4's
 decode steps) are the only weight-sized temporaries, one row block of one weight at a time
 (row_blocks; the export's decode_block_weights). They depend on weights alone, so the two-phase
@@ -192,8 +194,9 @@ def row_blocks(q: torch.Tensor, scale: torch.Tensor, rows: int | None) -> list[t
 
 def linear(x: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
     """x @ W^T for a frozen W given as an fp32 tensor or (quantized rows, their scales). The weight
-    is decoded first, then fp32 GEMMs: a GEMM fed straight from the int8 cast would look to XNNPACK
-    like a quantized GEMM and stay out of its delegates. int4: one product per column half.
+    is decoded first, then fp32 GEMMs (a GEMM fed straight from an int8 cast XNNPACK would read as a
+    quantized one: lower.xnnpack_partitioners has its GEMMs partitioned as fp32). int8 rows: the
+    cast, then the row scales on the product. int4: one product per column half.
     `rows`: decode and multiply the weight in blocks of that many rows (row_blocks), each block's
     output a slice of y, so that the decode's working set is a block's, not the weight's."""
     if not isinstance(w, tuple):
@@ -207,6 +210,8 @@ def linear(x: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
         x_low, x_high = x2.split(x2.shape[-1] // 2, dim=-1)
         ys = [F.linear(x_low, low) + F.linear(x_high, high)
               for low, high in (dequantize_halves(q, scale, x.dtype) for q, scale in blocks)]
+    elif block_format(*w) == "rows":  # the row scales on the output: tokens x rows products, not rows x cols
+        ys = [F.linear(x2, q.to(x.dtype)) * scale.to(x.dtype) for q, scale in blocks]
     else:
         ys = [F.linear(x2, dequantize(q, scale, x.dtype)) for q, scale in blocks]
     y = ys[0] if len(ys) == 1 else torch.cat(ys, dim=-1)
@@ -214,6 +219,8 @@ def linear(x: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
 
 
 def _matmul_block(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if block_format(q, scale) == "rows":  # the row scales on g's columns, as linear puts them on y's
+        return (g * scale.to(g.dtype)) @ q.to(g.dtype)
     if not _packed(q, scale):
         return g @ dequantize(q, scale, g.dtype)
     low, high = dequantize_halves(q, scale, g.dtype)

@@ -120,11 +120,12 @@ def xnnpack_partitioners(ops: str = "all", quantized_base: bool = False) -> list
     # the price is a repack of each weight per call (see docs/BENCHMARKS.md, Export).
     from executorch.backends.xnnpack import XnnpackPartitioner
     from executorch.backends.xnnpack.partition.config import ALL_PARTITIONER_CONFIGS
+    from executorch.backends.xnnpack.partition.config.xnnpack_config import ConfigPrecisionType
 
     by_name = {c.__name__: c for c in ALL_PARTITIONER_CONFIGS}
 
-    def partitioner(configs, per_op=False):
-        return XnnpackPartitioner(configs=configs, per_op_mode=per_op, force_non_static_weights_for_f32_linear=True)
+    def partitioner(configs, per_op=False, **kw):
+        return XnnpackPartitioner(configs=configs, per_op_mode=per_op, force_non_static_weights_for_f32_linear=True, **kw)
 
     if not quantized_base:
         return [partitioner([by_name[n] for n in XNNPACK_CONFIGS[ops]])]
@@ -136,7 +137,11 @@ def xnnpack_partitioners(ops: str = "all", quantized_base: bool = False) -> list
     rest = [n for n in XNNPACK_CONFIGS[ops] if n not in GEMM_CONFIGS]
     decode = [by_name[n] if n == "DeQuantizedPerTensorConfig" else _frozen_or_not(by_name[n], True)
               for n in DECODE_CONFIGS]
-    return ([partitioner([by_name[n] for n in GEMM_CONFIGS], per_op=True), partitioner(decode, per_op=True)]
+    # The GEMMs as fp32 only: an int8 weight's cast feeds its GEMM directly (the row scales go on
+    # the product), which XNNPACK's configs would otherwise read as a statically quantized GEMM
+    # and leave out (its activations are not quantized); fp32, the cast stays its own Convert.
+    gemms = partitioner([by_name[n] for n in GEMM_CONFIGS], per_op=True, config_precisions=ConfigPrecisionType.FP32)
+    return ([gemms, partitioner(decode, per_op=True)]
             + ([partitioner([_frozen_or_not(by_name[n], False) for n in rest])] if rest else []))  # no configs: all
 
 
