@@ -51,15 +51,15 @@ def peft_name(local_name: str, first_layer: int) -> str:
     return f"base_model.model.model.layers.{first_layer + int(j)}.{mod}.{ab}.weight"
 
 
-def readout_block_rows(base, layers, block_weights: int) -> int:
-    """Rows per lm_head block: as many as keep a block within the largest frozen weight of the
-    chunk's layers (all of the vocabulary when it already is), and, for a quantized lm_head,
-    within the weights a quantized base decodes at once (`block_weights`): blocks made here are
-    constants of their own, where a split made in the program would copy them."""
-    hidden = base.lm_head.in_features
+def readout_block_rows(hidden: int, layers, block_weights: int | None) -> int:
+    """Rows per lm_head block (`hidden` columns): as many as keep a block within the largest
+    frozen weight of the chunk's layers (all of the vocabulary when it already is), and, for a
+    quantized lm_head, within the weights a quantized base decodes at once (`block_weights`; None
+    for fp32): blocks made here are constants of their own, where a split made in the program
+    would copy them."""
     largest = max((m.in_features * m.out_features for layer in layers for m in layer.modules()
                    if isinstance(m, nn.Linear) and not m.weight.requires_grad), default=0)
-    if hasattr(base.lm_head, "weight_scale"):
+    if block_weights is not None:
         largest = min(largest, block_weights)
     return max(1, largest // hidden)
 
@@ -90,8 +90,9 @@ class ChunkModel(nn.Module):
         # one [vocab, hidden] GEMM would size that workspace to the whole lm_head (250 MiB for
         # TinyLlama) where a layer needs 44 MiB. Same numbers; views, so no copy in eager.
         # int8 / int4 base weights (base_weights.py): the blocks are quantized rows with their scales beside.
-        rows = readout_block_rows(base, self.layers, cfg.decode_block_weights)
         scale = getattr(base.lm_head, "weight_scale", None)  # a QuantizedLinear's
+        rows = readout_block_rows(base.lm_head.in_features, self.layers,
+                                  None if scale is None else cfg.decode_block_weights)
         self.lm_head_blocks = _frozen_list(base.lm_head.weight.split(rows))
         self.lm_head_scales = _frozen_list(scale.split(rows)) if scale is not None else None
         # Tied embeddings (SmolLM2, ...: lm_head is the embedding matrix): the first chunk reads

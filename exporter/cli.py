@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from .chunk_spec import DEFAULT_CHUNKS
-from .config import BASE_WEIGHTS, READOUTS, ExportConfig
+from .config import BASE_WEIGHTS, DECODE_BLOCK_WEIGHTS, READOUTS, ExportConfig
 from .errors import ExportError
 
 
@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the frozen base weights are stored: fp32; int8 with one scale per row (0.25x the weight "
                         "memory on the phones); or int4, llama.cpp's Q4_0 blocks (0.14x; a GGUF's Q4_1 and Q8_0 "
                         "weights keep their own blocks, bit-exact). LoRA, activations and arithmetic stay fp32, each layer decodes its weights as it runs; default %(default)s")
+    p.add_argument("--decode-block", type=int, default=DECODE_BLOCK_WEIGHTS, metavar="WEIGHTS",
+                   help="int8 / int4: the most frozen weights decoded to fp32 at once (a weight's rows in blocks): "
+                        "smaller blocks lower the phones' peak memory, larger ones export faster (fewer XNNPACK "
+                        "partitions); default %(default)s (16 MiB decoded)")
     p.add_argument("--mode", choices=["zerolock", "bp", "both"], default="zerolock",
                    help="programs to write per chunk: zerolock (chunk_k.pte, local-loss training), bp "
                         "(chunk_k_bp.pte, a back-propagation pipeline stage for the GPipe/1F1B/PipeDream "
@@ -80,6 +84,9 @@ def config_from_args(a) -> ExportConfig:
     for name in ("lora_rank", "seq_len", "micro_batch"):
         if getattr(a, name) < 1:
             raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if a.decode_block < 1:
+        raise ExportError(f"--decode-block must be at least 1 weight, got {a.decode_block}: give e.g. "
+                          f"--decode-block {DECODE_BLOCK_WEIGHTS} (the default)")
     if a.loss_positions is not None and not 1 <= a.loss_positions <= a.micro_batch * a.seq_len:
         raise ExportError(f"--loss-positions must be in 1..{a.micro_batch * a.seq_len} (micro-batch x seq-len)")
     from .model_checks import check_target_modules
@@ -89,7 +96,7 @@ def config_from_args(a) -> ExportConfig:
     return ExportConfig(lora_rank=a.lora_rank, lora_alpha=a.lora_alpha, target_modules=targets,
                         alpha=a.alpha, seq_len=a.seq_len, micro_batch=a.micro_batch,
                         loss_positions=a.loss_positions, backend=a.backend, seed=a.seed,
-                        xnnpack_ops=a.xnnpack_ops, base_weights=a.base_weights,
+                        xnnpack_ops=a.xnnpack_ops, base_weights=a.base_weights, decode_block_weights=a.decode_block,
                         readout=readout_from_args(a)[0])
 
 

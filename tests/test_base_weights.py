@@ -300,6 +300,20 @@ def test_cli_rejects_an_unknown_base_weight_format(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_cli_decode_block_reaches_the_config_and_a_bad_one_is_refused(tmp_path, capsys):
+    from exporter.cli import build_parser, config_from_args, main
+    from exporter.config import DECODE_BLOCK_WEIGHTS
+
+    args = ["--model", "tiny", "--base-weights", "int4", "--out", str(tmp_path / "o")]
+    assert config_from_args(build_parser().parse_args(args)).decode_block_weights == DECODE_BLOCK_WEIGHTS
+    cfg = config_from_args(build_parser().parse_args(args + ["--decode-block", str(SMALL_DECODE_BLOCK)]))
+    assert cfg.decode_block_weights == SMALL_DECODE_BLOCK and cfg.to_json()["decode_block_weights"] == SMALL_DECODE_BLOCK
+    assert main(args + ["--decode-block", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "--decode-block must be at least 1 weight, got 0" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("fmt,rel", [("int8", 0.02), ("int4", 0.1)])
 def test_eval_uses_the_base_weights_the_adapter_was_trained_on(small_model_dir, small_export, fmt, rel):
     from host.evaluate import evaluate

@@ -1,6 +1,8 @@
 """The exported programs are right: program == eager, two-phase == one-method, no forward
 recompute in phase 2, and a few optimizer steps follow the eager trajectory."""
 import math
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -170,6 +172,9 @@ def test_phase1_outputs_are_planned_apart_from_its_working_memory(small_export):
             assert len(p1) == PHASE1_OUTPUTS_MEM_ID + 1 and p1[1] > 0, (entry["program"], p1)
             assert outputs <= p1[PHASE1_OUTPUTS_MEM_ID] < outputs + 64 * len(entry["methods"]["phase1"]["outputs"]), (p1, outputs)
             assert len(p2) == 2, (entry["program"], p2)
+    # the Kotlin bridge looks for the outputs in that id (compiled in: it shares arenas only then)
+    bridge = (Path(__file__).resolve().parents[1] / "kotlin_app/jni/zl_executorch.cpp").read_text()
+    assert re.search(r"constexpr size_t kOutputsMemId = (\d+);", bridge).group(1) == str(PHASE1_OUTPUTS_MEM_ID)
 
 
 def test_optimizer_steps_follow_the_eager_trajectory(small_export):

@@ -47,7 +47,10 @@ def _group(tensors: dict, prefix: str) -> dict:
 
 
 def checkpoint_name(window: int) -> str:
-    return f"ckpt-{window:08d}.safetensors"
+    return f"ckpt-{window:08d}.safetensors"  # zero-padded: names sort by window
+
+
+CHECKPOINT_FILES = "ckpt-*.safetensors"  # checkpoint_name's, as a glob
 
 
 def read_lora(path: Path) -> dict[str, torch.Tensor]:
@@ -87,17 +90,25 @@ class CheckpointStore:
         os.replace(tmp, final)
         _fsync_dir(self.dir)
         digest = _sha256(final)
-        pointer_tmp = self.dir / (POINTER + ".tmp")
-        pointer_tmp.write_text(json.dumps({"window": ckpt.window, "step": ckpt.step, "file": name, "sha256": digest}))
-        with open(pointer_tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(pointer_tmp, self.dir / POINTER)
-        _fsync_dir(self.dir)
+        self._point_to(ckpt.window, ckpt.step, name, digest)
         self._prune(keep_name=name)
         return digest
 
+    def _point_to(self, window: int, step: int, name: str, digest: str) -> None:
+        """Atomically make `name` the committed checkpoint (the pointer's write, fsync, rename)."""
+        tmp = self.dir / (POINTER + ".tmp")
+        tmp.write_text(json.dumps({"window": window, "step": step, "file": name, "sha256": digest}))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, self.dir / POINTER)
+        _fsync_dir(self.dir)
+
+    def _files(self) -> list[Path]:
+        """The checkpoint files here, oldest window first (names sort by window)."""
+        return sorted(self.dir.glob(CHECKPOINT_FILES))
+
     def _prune(self, keep_name: str) -> None:
-        files = sorted(self.dir.glob("ckpt-*.safetensors"))
+        files = self._files()
         for f in files[:-self.keep]:
             if f.name != keep_name:
                 f.unlink(missing_ok=True)
@@ -119,19 +130,16 @@ class CheckpointStore:
         checkpoints are deleted. Used by the global-rollback baseline, which a BP pipeline needs."""
         if window < 0:
             (self.dir / POINTER).unlink(missing_ok=True)
-            later = list(self.dir.glob("ckpt-*.safetensors"))
+            _fsync_dir(self.dir)
+            later = self._files()
         else:
             name = checkpoint_name(window)
             path = self.dir / name
             if not path.exists():
                 raise CheckpointError(f"no checkpoint of window {window} is kept here (keep={self.keep}): "
                                       "raise keep_checkpoints to cover the rollback horizon")
-            tmp = self.dir / (POINTER + ".tmp")
-            tmp.write_text(json.dumps({"window": window, "step": int(self._meta_of(path)["step"]), "file": name,
-                                       "sha256": _sha256(path)}))
-            os.replace(tmp, self.dir / POINTER)
-            later = [f for f in self.dir.glob("ckpt-*.safetensors") if f.name > name]
-        _fsync_dir(self.dir)
+            self._point_to(window, int(self._meta_of(path)["step"]), name, _sha256(path))
+            later = [f for f in self._files() if f.name > name]
         for f in later:
             f.unlink(missing_ok=True)
 

@@ -152,7 +152,8 @@ MethodState& method_state(Program& p, const std::string& method) {
 }
 
 // Whether the program plans phase 1's outputs in a memory id above the two a Module shares across
-// methods (zl-export's PHASE1_OUTPUTS_MEM_ID = 3), so that sharing cannot overwrite what phase 2 reads.
+// methods (zl-export's PHASE1_OUTPUTS_MEM_ID = 3; tests/test_export_programs.py checks the two agree), so that
+// sharing cannot overwrite what phase 2 reads.
 bool outputs_planned_apart(Module& m) {
   constexpr size_t kOutputsMemId = 3;
   auto meta = m.method_meta("phase1");
@@ -241,6 +242,9 @@ JNIEXPORT jlong JNICALL Java_org_zerolock_core_executorch_EtNative_nLoad(JNIEnv*
                                                         nullptr, nullptr, share)
                              : std::make_unique<Module>(pte, Module::LoadMode::Mmap, nullptr, nullptr, nullptr, share);
     };
+    // The arenas are the Module's constructor argument and the plan is read from a loaded program:
+    // the first open maps the file and parses its header only (no method loaded), so opening it
+    // again costs little.
     p->module = open(false);
     Error e = p->module->load();
     if (e == Error::Ok && outputs_planned_apart(*p->module)) {
