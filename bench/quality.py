@@ -141,7 +141,11 @@ def batches(enc, order, B, S, pad):
 
 # LoRA targets: the shipped q/v, or every linear layer of the blocks (issue 32's candidate), same for all methods
 LORA_TARGETS = {"qv": ["q_proj", "v_proj"],
-                "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+                "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                # the last chunk's reach (issue 32's "rank per chunk"): q/v at rank 8 in layers 0-19, every
+                # linear at rank 32 in the last chunk (20-29), the same LoRA scale (alpha / r = 2)
+                "lastwide": r".*layers\.(1?\d)\.self_attn\.(q_proj|v_proj)|.*layers\.2\d\.(self_attn|mlp)\.\w+_proj"}
+LORA_RANK_PATTERNS = {"lastwide": {r"layers\.2\d\..*": 32}}
 
 
 def peft_model(base, seed, targets="qv"):
@@ -150,8 +154,10 @@ def peft_model(base, seed, targets="qv"):
     for p in base.parameters():
         p.requires_grad_(False)
     torch.manual_seed(seed)
+    ranks = LORA_RANK_PATTERNS.get(targets, {})
     return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
-                                           target_modules=LORA_TARGETS[targets]))
+                                           target_modules=LORA_TARGETS[targets], rank_pattern=ranks,
+                                           alpha_pattern={k: 2 * r for k, r in ranks.items()}))
 
 
 def causal_lm(pm_or_base):

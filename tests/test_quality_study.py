@@ -118,3 +118,27 @@ def test_a_quantized_base_trains_at_the_fp32_sweeps_rates_in_cells_of_its_own(tm
     runs = [fake_cell("wordnet", "bp", 3e-3, "test", 0.4, 0.8), dict(fake_cell("wordnet", "bp", 3e-3, "test", 0.5, 0.7),
                                                                    base_weights="int4")]
     assert set(QS.summarise(runs)["wordnet"]["test"]) == {"bp|qv|e1|n1024", "bp|qv|e1|int4 base|n1024"}
+
+
+def test_lastwide_targets_put_every_linear_at_rank_32_in_the_last_chunk_only():
+    """`--targets lastwide` (issue 32's rank-per-chunk candidate): q/v at rank 8 in the first two
+    chunks, every linear at rank 32 in the last, the same LoRA scale everywhere."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bench import quality as Q
+
+    base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                        num_key_value_heads=2, num_hidden_layers=Q.CHUNKS[-1][1] + 1))
+    pm = Q.peft_model(base, seed=0, targets="lastwide")
+    adapted = {}
+    for name, mod in pm.named_modules():
+        if hasattr(mod, "lora_A") and "default" in mod.lora_A:
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            adapted[(layer, name.rsplit(".", 1)[1])] = (mod.r["default"], mod.scaling["default"])
+    last = range(Q.CHUNKS[-1][0], Q.CHUNKS[-1][1] + 1)
+    for layer in range(Q.CHUNKS[-1][1] + 1):
+        got = {proj: rs for (l, proj), rs in adapted.items() if l == layer}
+        if layer in last:
+            assert got == {p: (32, 2.0) for p in Q.LORA_TARGETS["all"]}, layer
+        else:
+            assert got == {"q_proj": (8, 2.0), "v_proj": (8, 2.0)}, layer
