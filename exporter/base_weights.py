@@ -23,7 +23,7 @@ the decoded weight for the backward; _FrozenLinearFn decodes it again instead.
 
 Both decodes are written so that XNNPACK runs all of them, multi-threaded and vectorised: the
 int8 -> fp32 cast (as a dequantize with scale 1: graph_passes.casts_as_dequantize; ExecuTorch's own
-cast kernel is scalar), int4's nibble split (floor, ceiling, add, subtract: dequantize_halves), the
+cast kernel is scalar), int4's nibble split (one floor for both halves, subtract: dequantize_halves), the
 scales and the GEMMs."""
 from __future__ import annotations
 

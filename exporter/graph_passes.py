@@ -189,7 +189,7 @@ def drop_identity_ops(ep: ExportedProgram) -> dict:
 def casts_as_dequantize(ep: ExportedProgram) -> int:
     """int8 -> fp32 casts (a quantized base weight's decode) -> dequantize_per_tensor, taking in
     the integer added next and the scalar multiplied after (each the only use of what it follows;
-    int4's +1 and 1/16) as its zero point and scale: the same values, but an op XNNPACK runs (its
+    int4's -8 or +128 and 1/16) as its zero point and scale: the same values, but an op XNNPACK runs (its
     Convert, multi-threaded and vectorised), where ExecuTorch runs a dtype cast in a scalar
     portable kernel (~1.7 ns per element here: most of a quantized base's step). Only for
     programs lowered to XNNPACK: the phones' runtime carries no quantized kernels for the
