@@ -140,12 +140,16 @@ def batches(enc, order, B, S, pad):
 # ---------------------------------------------------------------- methods
 
 # LoRA targets: the shipped q/v, or every linear layer of the blocks (issue 32's candidate), same for all methods
-LORA_TARGETS = {"qv": ["q_proj", "v_proj"],
-                "all": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-                # the last chunk's reach (issue 32's "rank per chunk"): q/v at rank 8 in layers 0-19, every
-                # linear at rank 32 in the last chunk (20-29), the same LoRA scale (alpha / r = 2)
-                "lastwide": r".*layers\.(1?\d)\.self_attn\.(q_proj|v_proj)|.*layers\.2\d\.(self_attn|mlp)\.\w+_proj"}
-LORA_RANK_PATTERNS = {"lastwide": {r"layers\.2\d\..*": 32}}
+LORA_R, LORA_ALPHA = 8, 16
+_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+_LAST = "|".join(str(i) for i in range(CHUNKS[-1][0], CHUNKS[-1][1] + 1))  # the last chunk's layers
+_EARLY = "|".join(str(i) for i in range(CHUNKS[-1][0]))
+LORA_TARGETS = {"qv": ["q_proj", "v_proj"], "all": _ALL,
+                # the last chunk's reach (issue 32's "rank per chunk"): q/v at rank LORA_R before the last
+                # chunk, every linear at rank 32 in it, the same LoRA scale (lora_alpha / r)
+                "lastwide": rf".*layers\.({_EARLY})\.self_attn\.(q_proj|v_proj)"
+                            rf"|.*layers\.({_LAST})\.(self_attn|mlp)\.({'|'.join(_ALL)})"}
+LORA_RANK_PATTERNS = {"lastwide": {rf"layers\.({_LAST})\..*": 32}}
 
 
 def peft_model(base, seed, targets="qv"):
@@ -155,9 +159,9 @@ def peft_model(base, seed, targets="qv"):
         p.requires_grad_(False)
     torch.manual_seed(seed)
     ranks = LORA_RANK_PATTERNS.get(targets, {})
-    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+    return get_peft_model(base, LoraConfig(r=LORA_R, lora_alpha=LORA_ALPHA, lora_dropout=0.0,
                                            target_modules=LORA_TARGETS[targets], rank_pattern=ranks,
-                                           alpha_pattern={k: 2 * r for k, r in ranks.items()}))
+                                           alpha_pattern={k: r * LORA_ALPHA // LORA_R for k, r in ranks.items()}))
 
 
 def causal_lm(pm_or_base):

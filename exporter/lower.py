@@ -84,7 +84,7 @@ XNNPACK_CONFIGS = {
 # A quantized weight's decode (exporter/base_weights.py: dequantize): its int8 cast (a dequantize
 # with scale 1, graph_passes.casts_as_dequantize), int4's nibble split, the scales. Not its
 # reshapes: a view left to ExecuTorch is free, one XNNPACK runs on its own is a copy.
-DECODE_CONFIGS = ("DeQuantizedPerTensorConfig", "FloorConfig", "CeilConfig", "MulConfig", "SubConfig", "AddConfig",
+DECODE_CONFIGS = ("DeQuantizedPerTensorConfig", "FloorConfig", "MulConfig", "SubConfig", "AddConfig",
                   "CatConfig")
 
 

@@ -177,7 +177,7 @@ def test_xnnpack_runs_a_layers_elementwise_work(peft_model):
 
 
 def test_int8_casts_become_dequantizes_that_take_in_the_offset_and_scale_after_them():
-    """An int4 decode's cast, +1 and 1/16 become one dequantize_per_tensor (zero point -1, scale
+    """A decode's cast, +1 and 1/16 become one dequantize_per_tensor (zero point -1, scale
     1/16), an int8 weight's plain cast one with scale 1; an add that is not an integer or a cast
     with another use stays; the values are the same."""
     from exporter.graph_passes import casts_as_dequantize
