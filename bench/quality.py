@@ -460,10 +460,13 @@ def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve
         pm.unload()  # the base model comes back without LoRA layers for the next run
 
 
-def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=print) -> dict:
+def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=print, alpha=None,
+                            extra_eval=None) -> dict:
     """ZeroLock through the real pipeline: `zl-host run` on three emulated phones (ExecuTorch
     programs of --pipeline-export), on the same training rows in the same order as the other
-    methods (a JSONL file, nothing held out), then the adapter it writes evaluated like the rest."""
+    methods (a JSONL file, nothing held out), then the adapter it writes evaluated like the rest.
+    ``alpha``: one per stage (zl-host run --alpha; None: the export's); ``extra_eval(pm)`` as in
+    train_and_eval."""
     import subprocess
 
     from peft import PeftModel
@@ -487,6 +490,8 @@ def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=prin
     cmd = [sys.executable, "-m", "host.cli", "run", "--program", str(export), "--data", str(rows),
            "--devices", "emulated:3", "--epochs", "1", "--window", str(a.window), "--lr", str(lr),
            "--held-out", "0", "--out", str(work / "run")]
+    if alpha is not None:
+        cmd += ["--alpha", ",".join(f"{x:g}" for x in alpha)]
     log("  zl-pipeline: " + " ".join(cmd[2:]))
     t0 = time.time()
     subprocess.run(cmd, check=True, cwd=ROOT)
@@ -503,11 +508,14 @@ def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=prin
         test_mbs = batches(data["test"], range(len(data["test"])), a.micro_batch, a.seq_len, a.pad_id)
         readout = LensReadout(pm, lenses) if e.get("readout") == "lens" else None
         ev = evaluate(pm, test_mbs, label_ids, readout)
+        extra = extra_eval(pm) if extra_eval is not None else None
     finally:
         pm.unload()
     return {"method": "zl-pipeline", "lr": lr, "seed": seed, "split": "test", "eval": ev, "curve": [],
+            **({"extra": extra} if extra is not None else {}),
             "first_step_losses": {k: v for k, v in sorted(first.items())}, "train_seconds": seconds,
-            "samples": len(order), "export": str(export), "alpha": e["alpha"], "readout": e.get("readout")}
+            "samples": len(order), "export": str(export), "alpha": list(alpha) if alpha is not None else e["alpha"],
+            "readout": e.get("readout")}
 
 
 # ---------------------------------------------------------------- report

@@ -12,8 +12,12 @@ The plan, in order (each step runs what is missing):
   2. per task: --seeds at the chosen LR, test split, at --sweep-budget (with an accuracy curve)
   3. per task: the other --budgets at the same LR, all seeds
 Tasks run one after the other in the order of --tasks (steps 1-2 of every task before step 3).
-With --base-weights int8 / int4 (issue 33: the frozen base as zl-export stores it) there is no
-sweep: each method trains at the LR the fp32 base's sweep chose, seeds at every budget.
+With --base-weights int8 / int4 (issue 33: the frozen base as zl-export stores it) or --epochs
+above 1 there is no sweep: each method trains at the LR the fp32 base's one-epoch sweep chose,
+seeds at every budget.
+`--methods zl-pipeline` (alone) trains ZeroLock's default through the real pipeline instead: the
+ExecuTorch programs exported with the fast path's lenses and LoRA init, `zl-host run` on three
+emulated phones, at the fast twin's chosen LR, --seeds x --budgets.
 
   nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # resumable; start one
   nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # worker per core: cells are locked
@@ -42,6 +46,7 @@ CELLS = ROOT / "bench" / "results" / "quality_cells"
 OUT = ROOT / "bench" / "results" / "quality_study.json"
 PLOT = ROOT / "bench" / "results" / "quality_study.png"
 METRIC = {"wordnet": "choice_accuracy", "wordnet-reverse": "exact_match"}
+PIPELINE, PIPELINE_TWIN = "zl-pipeline", "zl-last1-lens"  # the real pipeline runs the default's settings
 
 
 def cell_name(task, method, lr, seed, budget, epochs, targets, split, base_weights="fp32") -> str:
@@ -154,7 +159,7 @@ class Study:
         (data, label_ids), s = self.task_data(task), self.settings(epochs, targets)
         d = dict(data, train=data["train"][:budget], train_rows=data["train_rows"][:budget])
         d[split] = data[split]
-        lenses = self.task_lenses(task, budget) if method.endswith("-lens") else None
+        lenses = self.task_lenses(task, budget) if method.endswith("-lens") or method == PIPELINE else None
         curve_mbs = None
         if split == "test" and self.a.curve_every:
             curve_mbs = Q.batches(data["validation"], range(min(self.a.curve_val, len(data["validation"]))),
@@ -172,8 +177,14 @@ class Study:
 
         self.log(f"start {name}")
         t0 = time.time()
-        r = Q.train_and_eval(self.base, d, method, lr, seed, s, label_ids, split, curve_mbs=curve_mbs,
-                             lenses=lenses, log=log, extra_eval=extra)
+        if method == PIPELINE:
+            s.pipeline_export = str(self.pipeline_export(task, budget, seed, d["train"]))
+            s.cache = str(Path(self.a.cache) / "pipeline_runs" / f"{task}_n{budget}")
+            r = Q.pipeline_train_and_eval(self.base, d, lr, seed, s, label_ids, lenses, log=self.log,
+                                          alpha=Q.ALPHAS[PIPELINE_TWIN], extra_eval=extra)
+        else:
+            r = Q.train_and_eval(self.base, d, method, lr, seed, s, label_ids, split, curve_mbs=curve_mbs,
+                                 lenses=lenses, log=log, extra_eval=extra)
         r.update(task=task, budget=budget, epochs=epochs, targets=targets, base_weights=self.a.base_weights,
                  wall_seconds=time.time() - t0,
                  load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
@@ -186,16 +197,37 @@ class Study:
                  f"{Q.final(r['eval'])['answer_nll']:.3f} ({r['wall_seconds']:.0f} s, load {r['load_average']})")
         return r
 
-    def chosen_lr(self, task, method, run=True):
-        """The sweep's choice (lowest validation answer NLL) at --sweep-budget, seed 0; None if unfinished."""
+    def pipeline_export(self, task, budget, seed, train) -> Path:
+        """SmolLM2's ZeroLock programs as zl-export writes them, holding this budget's lenses (the
+        fast twin's, fitted on the same text) and LoRA initialised from `seed` as the fast path's;
+        readout rows enough for the budget's fullest micro-batch. Exported once, kept in --cache."""
+        from exporter.config import ExportConfig
+        from exporter.export import export_model
+
+        s = self.settings(1, "qv")
+        mbs = Q.batches(train, range(len(train)), s.micro_batch, s.seq_len, s.pad_id)
+        rows = max(int((b["labels"] != -100).sum()) for b in mbs)
+        rows = -(-rows // 8) * 8
+        out = Path(self.a.cache) / "pipeline_exports" / f"{task}_n{budget}_seq{s.seq_len}_mb{s.micro_batch}_s{seed}_r{rows}"
+        if not (out / "manifest.json").exists():
+            cfg = ExportConfig(seq_len=s.seq_len, micro_batch=s.micro_batch, loss_positions=rows, seed=seed,
+                               readout="lens", alpha=Q.ALPHAS[PIPELINE_TWIN][0])
+            self.log(f"exporting {out.name} (readout rows {rows})")
+            export_model("smollm2", ",".join(f"{f}-{l}" for f, l in Q.CHUNKS), out, cfg,
+                         lenses=self.task_lenses(task, budget), progress=self.log)
+        return out
+
+    def chosen_lr(self, task, method, run=True, swept_at_one_epoch=False):
+        """The sweep's choice (lowest validation answer NLL) at --sweep-budget, seed 0; None if unfinished
+        (swept_at_one_epoch: the one-epoch sweep's, whatever --epochs says)."""
         scores = {}
         if run:  # first every cell no other worker holds, then wait for theirs
             for lr in self.a.lrs:
                 self.run_cell(task, method, lr, 0, self.a.sweep_budget, "validation", wait=False)
         for lr in self.a.lrs:
             r = (self.run_cell(task, method, lr, 0, self.a.sweep_budget, "validation") if run else
-                 self.cached(cell_name(task, method, lr, 0, self.a.sweep_budget, self.a.epochs, self.a.targets,
-                                       "validation")))
+                 self.cached(cell_name(task, method, lr, 0, self.a.sweep_budget, 1 if swept_at_one_epoch else self.a.epochs,
+                                       self.a.targets, "validation")))
             if r is None:
                 return None
             scores[lr] = Q.final(r["eval"])["answer_nll"]
@@ -203,8 +235,10 @@ class Study:
 
     def run(self):
         a = self.a
-        if a.base_weights != "fp32":
-            return self.run_quantized()
+        if a.methods == [PIPELINE]:
+            return self.run_pipeline()
+        if a.base_weights != "fp32" or a.epochs != 1:
+            return self.run_at_swept_rates()
         for task in a.tasks:
             self.run_cell(task, "zero-shot", 0.0, 0, 0, "test", epochs=1, wait=False)
             # the sweeps of all methods first, LR by LR, so that two workers (or a run cut short)
@@ -224,23 +258,37 @@ class Study:
                         self.run_cell(task, m, self.chosen_lr(task, m), seed, budget, "test", wait=False)
         self.log("plan finished")
 
-    def run_quantized(self):
-        """A quantized base at the fp32 base's chosen LRs (its sweep must have finished): seeds x budgets."""
+    def run_pipeline(self):
+        """ZeroLock's default through the real pipeline (zl-host run, three emulated phones, the
+        ExecuTorch programs) at the LR its fast twin's sweep chose: --seeds x --budgets per task."""
+        for task in self.a.tasks:
+            lr = self.chosen_lr(task, PIPELINE_TWIN, run=False)
+            if lr is None:
+                sys.exit(f"bench/quality_study.py: the sweep of {PIPELINE_TWIN} on {task} is unfinished; "
+                         f"run the study with --methods {PIPELINE_TWIN} first")
+            for budget in self.a.budgets:
+                for seed in self.a.seeds:
+                    self.run_cell(task, PIPELINE, lr, seed, budget, "test", wait=False)
+        self.log("plan finished (real pipeline)")
+
+    def run_at_swept_rates(self):
+        """A quantized base, or more than one epoch, at the LRs the fp32 base's one-epoch sweep chose (it
+        must have finished): seeds x budgets, no sweep of their own."""
         a = self.a
         lrs = {}
         for task in a.tasks:
             for m in a.methods:
-                lr = self.chosen_lr(task, m, run=False)
+                lr = self.chosen_lr(task, m, run=False, swept_at_one_epoch=True)
                 if lr is None:
-                    sys.exit(f"bench/quality_study.py: the fp32 sweep of {m} on {task} is unfinished; "
-                             "run the study without --base-weights first")
+                    sys.exit(f"bench/quality_study.py: the fp32 one-epoch sweep of {m} on {task} is unfinished; "
+                             "run the study without --base-weights and --epochs first")
                 lrs[task, m] = lr
-        for budget in [a.sweep_budget] + [b for b in a.budgets if b != a.sweep_budget]:
+        for budget in sorted(a.budgets, key=lambda b: b != a.sweep_budget):  # the sweep's budget first
             for seed in a.seeds:
                 for task in a.tasks:
                     for m in a.methods:
                         self.run_cell(task, m, lrs[task, m], seed, budget, "test", wait=False)
-        self.log(f"plan finished ({a.base_weights} base)")
+        self.log(f"plan finished ({a.base_weights} base, {a.epochs} epoch(s))")
 
 
 # ---------------------------------------------------------------- report
@@ -429,13 +477,18 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"unknown task(s) {', '.join(bad)}; use {', '.join(TASKS)}")
     a.methods = [m for m in a.methods.split(",") if m]
-    bad = [m for m in a.methods if m not in Q.METHODS or m in ("zero-shot", "zl-pipeline")]
+    bad = [m for m in a.methods if m not in Q.METHODS or m == "zero-shot"]
     if bad:
         p.error(f"unknown or unsupported method(s) {', '.join(bad)}; use e.g. bp, zl-last1-lens, zl0.5-lens")
+    if PIPELINE in a.methods and (a.methods != [PIPELINE] or a.base_weights != "fp32" or a.targets != "qv"
+                                  or a.epochs != 1):
+        p.error(f"--methods {PIPELINE} runs alone, on the fp32 base, q/v LoRA, one epoch (what the programs "
+                f"hold), at {PIPELINE_TWIN}'s chosen LR: give it in a run of its own")
     a.lrs = [float(x) for x in a.lrs.split(",")]
     a.seeds = [int(x) for x in a.seeds.split(",")]
     a.budgets = [int(x) for x in a.budgets.split(",")]
-    if a.sweep_budget not in a.budgets:
+    sweeps = a.base_weights == "fp32" and a.epochs == 1 and PIPELINE not in a.methods
+    if sweeps and a.sweep_budget not in a.budgets:
         p.error(f"--sweep-budget {a.sweep_budget} is not one of --budgets {a.budgets}")
     if a.cmd == "report":
         report(a)

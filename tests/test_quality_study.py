@@ -107,7 +107,7 @@ def test_a_quantized_base_trains_at_the_fp32_sweeps_rates_in_cells_of_its_own(tm
         s.run()  # the fp32 sweep has not run: nothing to train at
         raise AssertionError("a quantized run started without the fp32 sweep's rates")
     except SystemExit as e:
-        assert "fp32 sweep of bp on wordnet is unfinished" in str(e)
+        assert "fp32 one-epoch sweep of bp on wordnet is unfinished" in str(e)
     for lr, nll in ((1e-3, 0.6), (3e-3, 0.4), (1e-2, 0.5)):
         write(tmp_path, fake_cell("wordnet", "bp", lr, "validation", nll, 0.8))
     s.run()
@@ -118,6 +118,34 @@ def test_a_quantized_base_trains_at_the_fp32_sweeps_rates_in_cells_of_its_own(tm
     runs = [fake_cell("wordnet", "bp", 3e-3, "test", 0.4, 0.8), dict(fake_cell("wordnet", "bp", 3e-3, "test", 0.5, 0.7),
                                                                    base_weights="int4")]
     assert set(QS.summarise(runs)["wordnet"]["test"]) == {"bp|qv|e1|n1024", "bp|qv|e1|int4 base|n1024"}
+
+
+def test_more_epochs_train_at_the_one_epoch_sweeps_rates_without_a_sweep_of_their_own(tmp_path):
+    s = study(tmp_path, "--epochs", "2", "--methods", "bp", "--budgets", "2048", "--seeds", "0")
+    ran = []
+    s.run_cell = lambda *args, **kw: ran.append(args)
+    for lr, nll in ((1e-3, 0.5), (3e-3, 0.4), (1e-2, 0.6)):
+        write(tmp_path, fake_cell("wordnet", "bp", lr, "validation", nll, 0.8))
+    s.run()
+    assert ran == [("wordnet", "bp", 3e-3, 0, 2048, "test")]  # the epoch count comes from --epochs
+    assert QS.cell_name("wordnet", "bp", 3e-3, 0, 2048, 2, "qv", "test") == "wordnet/bp_qv_n2048_e2_lr0.003_s0_test.json"
+
+
+def test_the_real_pipeline_runs_alone_at_its_fast_twins_chosen_rate(tmp_path):
+    import pytest
+
+    for other in (["--methods", "zl-pipeline,bp"], ["--methods", "zl-pipeline", "--base-weights", "int8"]):
+        with pytest.raises(SystemExit):  # argparse's one-line error
+            parse(["run", "--cells", str(tmp_path), *other])
+    s = study(tmp_path, "--methods", "zl-pipeline", "--budgets", "1024,2048", "--seeds", "0")
+    ran = []
+    s.run_cell = lambda *args, **kw: ran.append(args)
+    with pytest.raises(SystemExit, match="sweep of zl-last1-lens on wordnet is unfinished"):
+        s.run()
+    for lr, nll in ((1e-3, 0.6), (3e-3, 0.5), (1e-2, 0.55)):
+        write(tmp_path, fake_cell("wordnet", "zl-last1-lens", lr, "validation", nll, 0.8))
+    s.run()
+    assert ran == [("wordnet", "zl-pipeline", 3e-3, 0, budget, "test") for budget in (1024, 2048)]
 
 
 def test_lastwide_targets_put_every_linear_at_rank_32_in_the_last_chunk_only():
