@@ -233,6 +233,14 @@ class Study:
             scores[lr] = Q.final(r["eval"])["answer_nll"]
         return min(scores, key=scores.get)
 
+    def swept_lr(self, task, method):
+        """The fp32 one-epoch sweep's choice, which must have finished (runs without a sweep of their own)."""
+        lr = self.chosen_lr(task, method, run=False, swept_at_one_epoch=True)
+        if lr is None:
+            sys.exit(f"bench/quality_study.py: the fp32 one-epoch sweep of {method} on {task} is unfinished; "
+                     f"run the study with --methods {method} (no --base-weights, --epochs) first")
+        return lr
+
     def run(self):
         a = self.a
         if a.methods == [PIPELINE]:
@@ -262,10 +270,7 @@ class Study:
         """ZeroLock's default through the real pipeline (zl-host run, three emulated phones, the
         ExecuTorch programs) at the LR its fast twin's sweep chose: --seeds x --budgets per task."""
         for task in self.a.tasks:
-            lr = self.chosen_lr(task, PIPELINE_TWIN, run=False)
-            if lr is None:
-                sys.exit(f"bench/quality_study.py: the sweep of {PIPELINE_TWIN} on {task} is unfinished; "
-                         f"run the study with --methods {PIPELINE_TWIN} first")
+            lr = self.swept_lr(task, PIPELINE_TWIN)
             for budget in self.a.budgets:
                 for seed in self.a.seeds:
                     self.run_cell(task, PIPELINE, lr, seed, budget, "test", wait=False)
@@ -278,11 +283,7 @@ class Study:
         lrs = {}
         for task in a.tasks:
             for m in a.methods:
-                lr = self.chosen_lr(task, m, run=False, swept_at_one_epoch=True)
-                if lr is None:
-                    sys.exit(f"bench/quality_study.py: the fp32 one-epoch sweep of {m} on {task} is unfinished; "
-                             "run the study without --base-weights and --epochs first")
-                lrs[task, m] = lr
+                lrs[task, m] = self.swept_lr(task, m)
         for budget in sorted(a.budgets, key=lambda b: b != a.sweep_budget):  # the sweep's budget first
             for seed in a.seeds:
                 for task in a.tasks:
