@@ -18,9 +18,10 @@ Usage:
   python bench/per_hour.py --export DIR --make-export          # the export first (~10 min on 2 cores)
   python bench/per_hour.py --export DIR [--budget 512] [--links none,50] [--methods zerolock,gpipe,1f1b]
         [--snapshot-every 8] [--eval-rows 200] [--cpu-share 0.6]
-  python bench/per_hour.py --render bench/results/per_hour.json   # only the plot and the docs section
+  python bench/per_hour.py --render        # only the plots and the docs section, from the results kept
 Training runs are kept under --work (a rerun skips finished ones; --retrain runs them again).
-Results: bench/results/per_hour.json, bench/results/per_hour.png, docs/BENCHMARKS.md's section.
+Results: one file per budget, bench/results/per_hour_n{budget}.json and .png; docs/BENCHMARKS.md's
+section shows every budget's run kept there, smallest first (a rerun at a budget replaces its own).
 """
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ sys.path.insert(0, str(ROOT))
 from bench.common import machine, now_iso, replace_md_section  # noqa: E402
 from bench.pipeline import LATENCY_MS, LINKS, run_once  # noqa: E402
 
-RESULTS = ROOT / "bench" / "results" / "per_hour.json"
+RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "BENCHMARKS.md"
 KEEP = "### Findings"  # written by hand below the generated part, kept on re-render
 HEADING = "## Per hour of phone time: ZeroLock vs GPipe and 1F1B on three phones (bench/per_hour.py, issue 32)"
@@ -222,11 +223,11 @@ def plot(res, path: Path) -> None:
     plt.close(fig)
 
 
-def markdown(res) -> str:
+def markdown(res, png: Path) -> str:
     s = res["settings"]
     mach = res["machine"]
     where = f"{mach['cpu']}, {mach['cores']} cores" if isinstance(mach, dict) else mach
-    lines = [f"Run {res['date']} on {where}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
+    lines = [f"### {s['budget']:,} training samples", "", f"Run {res['date']} on {where}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
              f"chunks {CHUNKS}), WordNet classification, {s['budget']} training samples (micro-batch {s['micro_batch']} "
              f"x window {s['window']}), seed {s['seed']}, three emulated phones at {', '.join(f'{x:g}' for x in s['cpu_shares'])} "
              f"of a core each, links shaped by {s['link_kind']}; held-out accuracy on {s['eval_rows']} test rows after "
@@ -239,8 +240,21 @@ def markdown(res) -> str:
         lines.append(f"| {r['link']} | {r['method']} | {r['lr']:g} | {r['snapshots'][-1]['choice_accuracy']:.3f} | "
                      f"{r['train_s'] / 60:.1f} min | {r['samples_per_s']:.2f} | {when} | "
                      f"{'-' if hit is None else hit['samples']} |")
-    lines += ["", f"![accuracy against time and samples](../bench/results/{Path(res['plot']).name})", ""]
+    lines += ["", f"![accuracy against time and samples, {s['budget']:,} samples](../bench/results/{png.name})", ""]
     return "\n".join(lines)
+
+
+def render(results: Path) -> None:
+    """Each budget's results file (per_hour_n{budget}.json) gets its plot beside it and a sub-section in
+    the docs, smallest budget first, above the hand-written findings."""
+    runs = sorted(((json.loads(f.read_text()), f) for f in results.glob("per_hour_n*.json")),
+                  key=lambda rf: rf[0]["settings"]["budget"])
+    if not runs:
+        sys.exit(f"bench/per_hour.py: no per_hour_n*.json in {results}; run the benchmark first")
+    for res, f in runs:
+        plot(res, f.with_suffix(".png"))
+    body = "\n".join(markdown(res, f.with_suffix(".png")) for res, f in runs)
+    replace_md_section(DOC, HEADING, body, "ZeroLock benchmarks", keep_from=KEEP)
 
 
 def main(argv=None) -> int:
@@ -267,13 +281,11 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/zl_per_hour")
     p.add_argument("--retrain", action="store_true")
     p.add_argument("--cache", default="/tmp/zl_smollm2_fp32", help="bench/quality.py's fp32 SmolLM2 (built if missing)")
-    p.add_argument("--out", default=str(RESULTS))
-    p.add_argument("--render", metavar="JSON")
+    p.add_argument("--out", default=str(RESULTS), help="folder for per_hour_n{budget}.json and its plot")
+    p.add_argument("--render", action="store_true", help="only the plots and the docs section, from --out's results")
     a = p.parse_args(argv)
     if a.render:
-        res = json.loads(Path(a.render).read_text())
-        plot(res, Path(res["plot"]))
-        replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks", keep_from=KEEP)
+        render(Path(a.out))
         return 0
 
     from bench.common import cpu_shares
@@ -303,16 +315,16 @@ def main(argv=None) -> int:
                 run = train(export, mbs, m, rate, a, d)
             runs.append({**run, "dir": str(d)})
     zero = evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work)
-    out = Path(a.out)
+    out = Path(a.out) / f"per_hour_n{a.budget}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     res = {"date": now_iso(), "machine": machine(), "command": "python bench/per_hour.py " + " ".join(argv or sys.argv[1:]),
            "settings": {"budget": a.budget, "seed": a.seed, "micro_batch": a.micro_batch, "window": a.window,
                         "cpu_shares": a.shares, "link_kind": a.link_kind, "eval_rows": a.eval_rows,
                         "snapshot_every": a.snapshot_every, "alpha": a.alpha},
-           "zero_shot": zero, "runs": runs, "plot": str(out.with_suffix(".png"))}
+           "zero_shot": zero, "runs": runs}
     summarise(res)
     out.write_text(json.dumps(res, indent=1))
-    plot(res, out.with_suffix(".png"))
-    replace_md_section(DOC, HEADING, markdown(res), "ZeroLock benchmarks", keep_from=KEEP)
+    render(out.parent)
     for r in runs:
         hit = r.get("reached")
         when = "not reached" if hit is None else f"after {hit['seconds'] / 60:.1f} min ({hit['samples']} samples)"
