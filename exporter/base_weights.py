@@ -124,11 +124,6 @@ def block_format(q: torch.Tensor, scale: torch.Tensor) -> str:
     return "q8_0" if q.shape[-1] == GROUP * scale.shape[-1] else "q4_0"
 
 
-def _packed(q: torch.Tensor, scale: torch.Tensor) -> bool:
-    """Whether q holds two 4-bit values per byte (Q4_0 or Q4_1), decoded by column halves."""
-    return block_format(q, scale) in ("q4_0", "q4_1")
-
-
 def dequantize_halves(packed: torch.Tensor, scale: torch.Tensor, dtype=torch.float32) -> tuple:
     """Q4_0 or Q4_1 rows (quantize_groups, quantize_q4_1) [..., cols / 2] -> their two column
     halves in `dtype`, columns j < cols / 2 (the low nibbles) and the rest (the high ones), each
@@ -206,12 +201,13 @@ def linear(x: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
     # copies of the weight)
     x2 = x.reshape(-1, x.shape[-1])
     blocks = row_blocks(*w, rows)
-    if _packed(*w):  # x's column halves, split once for all blocks (a split is a copy in the program;
+    fmt = block_format(*w)
+    if fmt in ("q4_0", "q4_1"):  # x's column halves, split once for all blocks (a split is a copy in the program;
         # its backward a concatenation: a slice's would be zeros + scatters)
         x_low, x_high = x2.split(x2.shape[-1] // 2, dim=-1)
         ys = [F.linear(x_low, low) + F.linear(x_high, high)
               for low, high in (dequantize_halves(q, scale, x.dtype) for q, scale in blocks)]
-    elif block_format(*w) == "rows":  # the row scales on the output: tokens x rows products, not rows x cols
+    elif fmt == "rows":  # the row scales on the output: tokens x rows products, not rows x cols
         ys = [F.linear(x2, q.to(x.dtype)) * scale.to(x.dtype) for q, scale in blocks]
     else:
         ys = [F.linear(x2, dequantize(q, scale, x.dtype)) for q, scale in blocks]
@@ -220,9 +216,10 @@ def linear(x: torch.Tensor, w, rows: int | None = None) -> torch.Tensor:
 
 
 def _matmul_block(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    if block_format(q, scale) == "rows":  # the row scales on g's columns, as linear puts them on y's
+    fmt = block_format(q, scale)
+    if fmt == "rows":  # the row scales on g's columns, as linear puts them on y's
         return (g * scale.to(g.dtype)) @ q.to(g.dtype)
-    if not _packed(q, scale):
+    if fmt == "q8_0":
         return g @ dequantize(q, scale, g.dtype)
     low, high = dequantize_halves(q, scale, g.dtype)
     return torch.cat([g @ low, g @ high], dim=-1)
