@@ -143,12 +143,18 @@ def train(export, mbs, method, rate, a, out: Path) -> dict:
 
 
 def evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work: Path) -> dict:
-    """Held-out accuracy of every snapshot (and of the base: 0 samples, 0 s)."""
+    """Held-out accuracy of every snapshot (and of the base: 0 samples, 0 s). Scores are kept by
+    the adapter file's sha256 (beside the runs): GPipe and 1F1B, and one method on either link,
+    train bitwise the same adapters, each scored once, and a rerun scores only what is new."""
     from peft import PeftModel
     from safetensors.numpy import load_file
 
     from bench import quality as Q
     from host.adapter import write_peft_adapter
+    from zl_common.hashing import sha256_file
+
+    kept = work / f"n{a.budget}-s{a.seed}" / f"scores_rows{a.eval_rows}.json"
+    scores = json.loads(kept.read_text()) if kept.exists() else {}
 
     base, _ = Q.load_base(Path(a.cache))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -164,14 +170,18 @@ def evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work: Path) -
         for s in run["snapshots"]:
             if "choice_accuracy" in s:
                 continue
-            d = work / "adapters" / "tmp"
-            lora = load_file(str(Path(run["dir"]) / f"window-{s['window']:06d}.safetensors"))
-            write_peft_adapter(lora, manifest, d, None)
-            pm = PeftModel.from_pretrained(base, str(d)).eval()
-            try:
-                s.update(score(pm))
-            finally:
-                pm.unload()
+            f = Path(run["dir"]) / f"window-{s['window']:06d}.safetensors"
+            key = sha256_file(f)
+            if key not in scores:
+                d = work / "adapters" / "tmp"
+                write_peft_adapter(load_file(str(f)), manifest, d, None)
+                pm = PeftModel.from_pretrained(base, str(d)).eval()
+                try:
+                    scores[key] = score(pm)
+                finally:
+                    pm.unload()
+                kept.write_text(json.dumps(scores, indent=1))
+            s.update(scores[key])
             print(f"[{run['method']} @ {run['link']}] window {s['window']}: {s['samples']} samples, {s['seconds']:.0f} s: "
                   f"{s['choice_accuracy']:.3f}", flush=True)
     return zero
