@@ -20,8 +20,8 @@ Usage:
         [--snapshot-every 8] [--eval-rows 200] [--cpu-share 0.6]
   python bench/per_hour.py --render        # only the plots and the docs section, from the results kept
 Training runs are kept under --work (a rerun skips finished ones; --retrain runs them again).
-Results: one file per budget, bench/results/per_hour_n{budget}.json and .png; docs/BENCHMARKS.md's
-section shows every budget's run kept there, smallest first (a rerun at a budget replaces its own).
+Results: one file per budget and seed, bench/results/per_hour_n{budget}_s{seed}.json and .png;
+docs/BENCHMARKS.md's section shows every run kept there, by budget then seed (a rerun replaces its own).
 """
 from __future__ import annotations
 
@@ -237,7 +237,7 @@ def markdown(res, png: Path) -> str:
     s = res["settings"]
     mach = res["machine"]
     where = f"{mach['cpu']}, {mach['cores']} cores" if isinstance(mach, dict) else mach
-    lines = [f"### {s['budget']:,} training samples", "", f"Run {res['date']} on {where}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
+    lines = [f"### {s['budget']:,} training samples, seed {s['seed']}", "", f"Run {res['date']} on {where}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
              f"chunks {CHUNKS}), WordNet classification, {s['budget']} training samples (micro-batch {s['micro_batch']} "
              f"x window {s['window']}), seed {s['seed']}, three emulated phones at {', '.join(f'{x:g}' for x in s['cpu_shares'])} "
              f"of a core each, links shaped by {s['link_kind']}; held-out accuracy on {s['eval_rows']} test rows after "
@@ -255,10 +255,10 @@ def markdown(res, png: Path) -> str:
 
 
 def render(results: Path) -> None:
-    """Each budget's results file (per_hour_n{budget}.json) gets its plot beside it and a sub-section in
-    the docs, smallest budget first, above the hand-written findings."""
+    """Each run's results file (per_hour_n{budget}_s{seed}.json) gets its plot beside it and a sub-section
+    in the docs, by budget then seed, above the hand-written findings."""
     runs = sorted(((json.loads(f.read_text()), f) for f in results.glob("per_hour_n*.json")),
-                  key=lambda rf: rf[0]["settings"]["budget"])
+                  key=lambda rf: (rf[0]["settings"]["budget"], rf[0]["settings"]["seed"]))
     if not runs:
         sys.exit(f"bench/per_hour.py: no per_hour_n*.json in {results}; run the benchmark first")
     for res, f in runs:
@@ -291,7 +291,7 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/zl_per_hour")
     p.add_argument("--retrain", action="store_true")
     p.add_argument("--cache", default="/tmp/zl_smollm2_fp32", help="bench/quality.py's fp32 SmolLM2 (built if missing)")
-    p.add_argument("--out", default=str(RESULTS), help="folder for per_hour_n{budget}.json and its plot")
+    p.add_argument("--out", default=str(RESULTS), help="folder for per_hour_n{budget}_s{seed}.json and its plot")
     p.add_argument("--render", action="store_true", help="only the plots and the docs section, from --out's results")
     a = p.parse_args(argv)
     if a.render:
@@ -325,7 +325,7 @@ def main(argv=None) -> int:
                 run = train(export, mbs, m, rate, a, d)
             runs.append({**run, "dir": str(d)})
     zero = evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work)
-    out = Path(a.out) / f"per_hour_n{a.budget}.json"
+    out = Path(a.out) / f"per_hour_n{a.budget}_s{a.seed}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     res = {"date": now_iso(), "machine": machine(), "command": "python bench/per_hour.py " + " ".join(argv or sys.argv[1:]),
            "settings": {"budget": a.budget, "seed": a.seed, "micro_batch": a.micro_batch, "window": a.window,
