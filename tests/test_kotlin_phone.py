@@ -6,7 +6,8 @@ initialisation (the export's lora_init) give bit-identical losses and gradients 
 The LoRA after several windows is not bit-identical: zl_mobile's AdamW runs torch's float32
 sqrt, which on CPU is not correctly rounded (torch 2.13: 670 of 4096 random values 1 ulp off),
 while the Kotlin core's sqrt is (IEEE). The denominators sqrt(v) differ by at most 1 ulp per step,
-so the LoRA agree to 1e-6 relative (measured: 6e-7 after 4 windows), asserted here."""
+so the LoRA agree to about 1e-6 relative (measured: 6e-7 on AMD EPYC, 1.02e-6 on an Intel Xeon CI machine, 3
+windows); asserted under 1e-5: lora_B starts at zero, so a lost or repeated window would be off by a sizable fraction."""
 from __future__ import annotations
 
 import json
@@ -103,7 +104,7 @@ def assert_same_as_python(run, python_run, name):
     moved = max(float(np.abs(np.asarray(v)).max()) for n, v in result["lora"].items() if "lora_B" in n)
     assert moved > 1e-3, "training moved lora_B"
     worst = _worst_relative(result["lora"], ref_result["lora"])
-    assert worst <= 1e-6, f"{name}: LoRA {worst:.2e} relative from the all-Python run's"
+    assert worst <= 1e-5, f"{name}: LoRA {worst:.2e} relative from the all-Python run's"
 
 
 def test_kotlin_phone_says_its_runtime(small_export, built, tmp_path):
