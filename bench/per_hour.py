@@ -143,18 +143,12 @@ def train(export, mbs, method, rate, a, out: Path) -> dict:
 
 
 def evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work: Path) -> dict:
-    """Held-out accuracy of every snapshot (and of the base: 0 samples, 0 s). Scores are kept by
-    the adapter file's sha256 (beside the runs): GPipe and 1F1B, and one method on either link,
-    train bitwise the same adapters, each scored once, and a rerun scores only what is new."""
+    """Held-out accuracy of every snapshot (score_snapshots) and of the base (0 samples, 0 s)."""
     from peft import PeftModel
     from safetensors.numpy import load_file
 
     from bench import quality as Q
     from host.adapter import write_peft_adapter
-    from zl_common.hashing import sha256_file
-
-    kept = work / f"n{a.budget}-s{a.seed}" / f"scores_rows{a.eval_rows}.json"
-    scores = json.loads(kept.read_text()) if kept.exists() else {}
 
     base, _ = Q.load_base(Path(a.cache))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -164,8 +158,28 @@ def evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work: Path) -
         f = Q.final(Q.evaluate(model, mbs, label_ids))
         return {"choice_accuracy": f["choice_accuracy"], "answer_nll": f["answer_nll"]}
 
+    def score_adapter(f: Path) -> dict:
+        d = work / "adapters" / "tmp"
+        write_peft_adapter(load_file(str(f)), manifest, d, None)
+        pm = PeftModel.from_pretrained(base, str(d)).eval()
+        try:
+            return score(pm)
+        finally:
+            pm.unload()
+
     zero = score(base)
     print(f"base, no adapter: {zero['choice_accuracy']:.3f} choice accuracy", flush=True)
+    score_snapshots(runs, work / f"n{a.budget}-s{a.seed}" / f"scores_rows{a.eval_rows}.json", score_adapter)
+    return zero
+
+
+def score_snapshots(runs, kept: Path, score_adapter) -> None:
+    """Each snapshot gets score_adapter(its adapter file)'s figures, once per distinct adapter: scores
+    are kept in `kept` by the file's sha256, since GPipe and 1F1B, and one method on either link,
+    train bitwise the same adapters, and a rerun scores only what is new."""
+    from zl_common.hashing import sha256_file
+
+    scores = json.loads(kept.read_text()) if kept.exists() else {}
     for run in runs:
         for s in run["snapshots"]:
             if "choice_accuracy" in s:
@@ -173,18 +187,12 @@ def evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work: Path) -
             f = Path(run["dir"]) / f"window-{s['window']:06d}.safetensors"
             key = sha256_file(f)
             if key not in scores:
-                d = work / "adapters" / "tmp"
-                write_peft_adapter(load_file(str(f)), manifest, d, None)
-                pm = PeftModel.from_pretrained(base, str(d)).eval()
-                try:
-                    scores[key] = score(pm)
-                finally:
-                    pm.unload()
+                scores[key] = score_adapter(f)
+                kept.parent.mkdir(parents=True, exist_ok=True)
                 kept.write_text(json.dumps(scores, indent=1))
             s.update(scores[key])
             print(f"[{run['method']} @ {run['link']}] window {s['window']}: {s['samples']} samples, {s['seconds']:.0f} s: "
                   f"{s['choice_accuracy']:.3f}", flush=True)
-    return zero
 
 
 def time_to(run, target) -> dict | None:
@@ -254,7 +262,7 @@ def markdown(res, png: Path) -> str:
     return "\n".join(lines)
 
 
-def render(results: Path) -> None:
+def render(results: Path, doc: Path = DOC) -> None:
     """Each run's results file (per_hour_n{budget}_s{seed}.json) gets its plot beside it and a sub-section
     in the docs, by budget then seed, above the hand-written findings."""
     runs = sorted(((json.loads(f.read_text()), f) for f in results.glob("per_hour_n*.json")),
@@ -264,7 +272,7 @@ def render(results: Path) -> None:
     for res, f in runs:
         plot(res, f.with_suffix(".png"))
     body = "\n".join(markdown(res, f.with_suffix(".png")) for res, f in runs)
-    replace_md_section(DOC, HEADING, body, "ZeroLock benchmarks", keep_from=KEEP)
+    replace_md_section(doc, HEADING, body, "ZeroLock benchmarks", keep_from=KEEP)
 
 
 def main(argv=None) -> int:
