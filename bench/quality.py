@@ -64,7 +64,16 @@ sys.path.insert(0, str(ROOT))
 from bench.common import machine, now_iso, replace_md_section  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CHUNKS = ((0, 9), (10, 19), (20, 29))
+DEFAULT_SPLIT = "0-9,10-19,20-29"
+CHUNKS = ((0, 9), (10, 19), (20, 29))  # the split ZeroLock's methods train; set_chunks changes it (BP has none)
+
+
+def set_chunks(spec: str) -> None:
+    """ZeroLock's split for this process (issue 32's split study: a deeper last chunk), e.g. "0-4,5-9,10-29"."""
+    from exporter.chunk_spec import parse_chunk_spec
+
+    global CHUNKS
+    CHUNKS = tuple(parse_chunk_spec(spec, 30))
 RESULTS = ROOT / "bench" / "results" / "quality.json"
 
 

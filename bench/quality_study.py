@@ -41,6 +41,7 @@ sys.path.insert(0, str(ROOT))
 from bench import quality as Q  # noqa: E402
 from bench.quality_tasks import TASKS, exact_match, load_task  # noqa: E402
 from exporter.config import BASE_WEIGHTS  # noqa: E402
+from exporter.errors import ChunkSpecError  # noqa: E402
 
 CELLS = ROOT / "bench" / "results" / "quality_cells"
 OUT = ROOT / "bench" / "results" / "quality_study.json"
@@ -49,9 +50,12 @@ METRIC = {"wordnet": "choice_accuracy", "wordnet-reverse": "exact_match"}
 PIPELINE, PIPELINE_TWIN = "zl-pipeline", "zl-last1-lens"  # the real pipeline runs the default's settings
 
 
-def cell_name(task, method, lr, seed, budget, epochs, targets, split, base_weights="fp32") -> str:
+def cell_name(task, method, lr, seed, budget, epochs, targets, split, base_weights="fp32", chunks=Q.DEFAULT_SPLIT) -> str:
     bw = "" if base_weights == "fp32" else f"_{base_weights}"  # fp32 cells keep the names they were run under
-    return f"{task}/{method}_{targets}{bw}_n{budget}_e{epochs}_lr{lr:g}_s{seed}_{split}.json"
+    # another split: its layer counts (5-5-20); BP's cells are the same under any split
+    c = "" if chunks == Q.DEFAULT_SPLIT or not method.startswith("zl") else "_c" + "-".join(
+        str(int(r.split("-")[1]) - int(r.split("-")[0]) + 1) for r in chunks.split(","))
+    return f"{task}/{method}_{targets}{bw}{c}_n{budget}_e{epochs}_lr{lr:g}_s{seed}_{split}.json"
 
 
 def metric(r, task) -> float:
@@ -104,7 +108,8 @@ class Study:
 
         key = (task, budget)
         if key not in self.lenses:
-            f = Path(self.a.cache) / "lenses" / f"{task}_n{budget}_seq{self.a.seq_len}_d{self.a.data_seed}.pt"
+            ends = "" if self.a.chunks == Q.DEFAULT_SPLIT else "_ends" + "-".join(str(last) for _, last in Q.CHUNKS[:-1])
+            f = Path(self.a.cache) / "lenses" / f"{task}_n{budget}_seq{self.a.seq_len}_d{self.a.data_seed}{ends}.pt"
             if f.exists():
                 self.lenses[key] = torch.load(f)
             else:
@@ -140,7 +145,7 @@ class Study:
         (wait=False: None, so the caller moves on to a cell it can run)."""
         epochs = epochs or self.a.epochs
         targets = targets or self.a.targets
-        name = cell_name(task, method, lr, seed, budget, epochs, targets, split, self.a.base_weights)
+        name = cell_name(task, method, lr, seed, budget, epochs, targets, split, self.a.base_weights, self.a.chunks)
         while True:
             r = self.cached(name)
             if r is not None:
@@ -186,6 +191,7 @@ class Study:
             r = Q.train_and_eval(self.base, d, method, lr, seed, s, label_ids, split, curve_mbs=curve_mbs,
                                  lenses=lenses, log=log, extra_eval=extra)
         r.update(task=task, budget=budget, epochs=epochs, targets=targets, base_weights=self.a.base_weights,
+                 chunks=self.a.chunks if method.startswith("zl") else Q.DEFAULT_SPLIT,
                  wall_seconds=time.time() - t0,
                  load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
         f = self.cells / name
@@ -245,7 +251,7 @@ class Study:
         a = self.a
         if a.methods == [PIPELINE]:
             return self.run_pipeline()
-        if a.base_weights != "fp32" or a.epochs != 1:
+        if a.base_weights != "fp32" or a.epochs != 1 or a.chunks != Q.DEFAULT_SPLIT:
             return self.run_at_swept_rates()
         for task in a.tasks:
             self.run_cell(task, "zero-shot", 0.0, 0, 0, "test", epochs=1, wait=False)
@@ -277,8 +283,8 @@ class Study:
         self.log("plan finished (real pipeline)")
 
     def run_at_swept_rates(self):
-        """A quantized base, or more than one epoch, at the LRs the fp32 base's one-epoch sweep chose (it
-        must have finished): seeds x budgets, no sweep of their own."""
+        """A quantized base, more than one epoch, or another split, at the LRs the fp32 base's one-epoch
+        sweep on the default split chose (it must have finished): seeds x budgets, no sweep of their own."""
         a = self.a
         lrs = {}
         for task in a.tasks:
@@ -289,7 +295,7 @@ class Study:
                 for task in a.tasks:
                     for m in a.methods:
                         self.run_cell(task, m, lrs[task, m], seed, budget, "test", wait=False)
-        self.log(f"plan finished ({a.base_weights} base, {a.epochs} epoch(s))")
+        self.log(f"plan finished ({a.base_weights} base, {a.epochs} epoch(s), chunks {a.chunks})")
 
 
 # ---------------------------------------------------------------- report
@@ -304,7 +310,9 @@ def summarise(runs, planned_lrs=()) -> dict:
     for r in runs:
         t = out.setdefault(r["task"], {"sweep": {}, "test": {}})
         bw = r.get("base_weights", "fp32")
-        key = f"{r['method']}|{r.get('targets', 'qv')}|e{r.get('epochs', 1)}" + ("" if bw == "fp32" else f"|{bw} base")
+        split = r.get("chunks", Q.DEFAULT_SPLIT)
+        key = (f"{r['method']}|{r.get('targets', 'qv')}|e{r.get('epochs', 1)}" + ("" if bw == "fp32" else f"|{bw} base")
+               + ("" if split == Q.DEFAULT_SPLIT else f"|chunks {split}"))
         if r["split"] == "validation":
             t["sweep"].setdefault(key, {})[r["lr"]] = {"answer_nll": Q.final(r["eval"])["answer_nll"],
                                                        "metric": metric(r, r["task"]), "budget": r["budget"]}
@@ -458,6 +466,8 @@ def main(argv=None) -> int:
     p.add_argument("--targets", default="qv", choices=sorted(Q.LORA_TARGETS), help="LoRA on q/v or every linear layer")
     p.add_argument("--base-weights", default="fp32", choices=BASE_WEIGHTS,
                    help="the frozen base as zl-export --base-weights stores it (int8 / int4: at the fp32 sweep's LRs)")
+    p.add_argument("--chunks", default=Q.DEFAULT_SPLIT,
+                   help="ZeroLock's split of the 30 layers (another split: at the default's swept LRs)")
     p.add_argument("--val", type=int, default=128)
     p.add_argument("--test", type=int, default=400)
     p.add_argument("--curve-every", type=int, default=256)
@@ -485,6 +495,14 @@ def main(argv=None) -> int:
                                   or a.epochs != 1):
         p.error(f"--methods {PIPELINE} runs alone, on the fp32 base, q/v LoRA, one epoch (what the programs "
                 f"hold), at {PIPELINE_TWIN}'s chosen LR: give it in a run of its own")
+    try:
+        Q.set_chunks(a.chunks)
+    except ChunkSpecError as e:
+        p.error(f"--chunks: {e}")
+    a.chunks = ",".join(f"{f}-{l}" for f, l in Q.CHUNKS)
+    if a.chunks != Q.DEFAULT_SPLIT and (len(Q.CHUNKS) != 3 or a.targets == "lastwide" or PIPELINE in a.methods):
+        p.error("--chunks: three chunks, q/v or every-linear LoRA, the fast path (per-chunk alphas and lastwide's "
+                "layers are written for three chunks; the pipeline's programs for the default split)")
     a.lrs = [float(x) for x in a.lrs.split(",")]
     a.seeds = [int(x) for x in a.seeds.split(",")]
     a.budgets = [int(x) for x in a.budgets.split(",")]

@@ -170,3 +170,35 @@ def test_lastwide_targets_put_every_linear_at_rank_32_in_the_last_chunk_only():
             assert got == {p: (32, 2.0) for p in Q.LORA_TARGETS["all"]}, layer
         else:
             assert got == {"q_proj": (8, 2.0), "v_proj": (8, 2.0)}, layer
+
+
+def test_another_split_trains_zerolock_at_the_default_splits_rates_in_cells_of_its_own(tmp_path, monkeypatch):
+    """`--chunks` (issue 32: how deep the last chunk must be): ZeroLock's methods train that split at the
+    LRs the default split's sweep chose, in cells named by its layer counts; BP has no split."""
+    import pytest
+
+    from bench import quality as Q
+
+    monkeypatch.setattr(Q, "CHUNKS", Q.CHUNKS)  # set_chunks sets it for the process: restored after the test
+    for bad in (["--chunks", "0-4,5-9"], ["--chunks", "0-4,5-9,10-19,20-29"], ["--chunks", "0-4,5-9,10-29", "--targets", "lastwide"]):
+        with pytest.raises(SystemExit):  # argparse's one-line error
+            parse(["run", "--cells", str(tmp_path), *bad])
+    s = study(tmp_path, "--chunks", "0-4,5-9,10-29", "--methods", "bp,zl-last1-lens", "--budgets", "1024", "--seeds", "0")
+    assert Q.CHUNKS == ((0, 4), (5, 9), (10, 29))
+    assert Q.chunk_of("base_model.model.model.layers.12.self_attn.q_proj.lora_A.default.weight") == 2
+    ran = []
+    s.run_cell = lambda *args, **kw: ran.append(args)
+    for m in ("bp", "zl-last1-lens"):
+        for lr, nll in ((1e-3, 0.5), (3e-3, 0.4), (1e-2, 0.6)):
+            write(tmp_path, fake_cell("wordnet", m, lr, "validation", nll, 0.8))
+    s.run()
+    assert ran == [("wordnet", m, 3e-3, 0, 1024, "test") for m in ("bp", "zl-last1-lens")]
+    split = "0-4,5-9,10-29"
+    assert QS.cell_name("wordnet", "zl-last1-lens", 3e-3, 0, 1024, 1, "qv", "test", "fp32", split) == \
+        "wordnet/zl-last1-lens_qv_c5-5-20_n1024_e1_lr0.003_s0_test.json"
+    assert QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test", "fp32", split) == \
+        QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test")
+    runs = [fake_cell("wordnet", "zl-last1-lens", 3e-3, "test", 0.4, 0.8),
+            dict(fake_cell("wordnet", "zl-last1-lens", 3e-3, "test", 0.5, 0.7), chunks=split)]
+    assert set(QS.summarise(runs)["wordnet"]["test"]) == \
+        {"zl-last1-lens|qv|e1|n1024", f"zl-last1-lens|qv|e1|chunks {split}|n1024"}
