@@ -410,7 +410,7 @@ def header(runs, a) -> str:
             f"epochs, LoRA targets, split)); {m['cpu']}, {m['cores']} cores shared with the other sessions (1-min load "
             f"average at the cells' ends {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}), each worker one "
             f"torch thread at nice 19. Settings for every method: SmolLM2-135M-Instruct (GGUF Q4_1 -> fp32), chunks "
-            f"0-9 / 10-19 / 20-29, LoRA r=8, lora_alpha=16 on {a.targets} ({', '.join(Q.LORA_TARGETS[a.targets])}), "
+            f"0-9 / 10-19 / 20-29 (a row naming chunks: ZeroLock on that split, at the default split's LRs), LoRA r=8, lora_alpha=16 on {a.targets} ({', '.join(Q.LORA_TARGETS[a.targets])}), "
             f"zl_mobile AdamW, micro-batch {a.micro_batch}, window {a.window} (token-level mean), seq len {a.seq_len}, "
             f"{a.epochs} epoch(s), data seed {a.data_seed}; validation {a.val} rows, test {a.test} rows; LR swept over "
             f"{', '.join(f'{x:g}' for x in sorted(a.lrs))} at budget {a.sweep_budget}, seed 0, chosen by validation answer "
@@ -506,7 +506,7 @@ def main(argv=None) -> int:
     a.lrs = [float(x) for x in a.lrs.split(",")]
     a.seeds = [int(x) for x in a.seeds.split(",")]
     a.budgets = [int(x) for x in a.budgets.split(",")]
-    sweeps = a.base_weights == "fp32" and a.epochs == 1 and PIPELINE not in a.methods
+    sweeps = a.base_weights == "fp32" and a.epochs == 1 and PIPELINE not in a.methods and a.chunks == Q.DEFAULT_SPLIT
     if sweeps and a.sweep_budget not in a.budgets:
         p.error(f"--sweep-budget {a.sweep_budget} is not one of --budgets {a.budgets}")
     if a.cmd == "report":

@@ -198,6 +198,8 @@ def test_another_split_trains_zerolock_at_the_default_splits_rates_in_cells_of_i
         "wordnet/zl-last1-lens_qv_c5-5-20_n1024_e1_lr0.003_s0_test.json"
     assert QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test", "fp32", split) == \
         QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test")
+    assert parse(["run", "--cells", str(tmp_path), "--chunks", split, "--budgets", "2048"]).budgets == [2048], \
+        "no sweep of its own, so no need for the sweep's budget"
     runs = [fake_cell("wordnet", "zl-last1-lens", 3e-3, "test", 0.4, 0.8),
             dict(fake_cell("wordnet", "zl-last1-lens", 3e-3, "test", 0.5, 0.7), chunks=split)]
     assert set(QS.summarise(runs)["wordnet"]["test"]) == \
