@@ -407,7 +407,7 @@ def header(runs, a) -> str:
     m = machine()
     loads = sorted({r["load_average"].split()[0] for r in runs if r.get("load_average")}, key=float)
     return (f"{len(runs)} cell{'s' if len(runs) != 1 else ''} finished (bench/results/quality_cells/, one JSON per (task, method, LR, seed, budget, "
-            f"epochs, LoRA targets, split)); {m['cpu']}, {m['cores']} cores shared with the other sessions (1-min load "
+            f"epochs, LoRA targets, split)); {m['cores']}-core machines shared with the other sessions (this report written on {m['cpu']}; 1-min load "
             f"average at the cells' ends {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}), each worker one "
             f"torch thread at nice 19. Settings for every method: SmolLM2-135M-Instruct (GGUF Q4_1 -> fp32), chunks "
             f"0-9 / 10-19 / 20-29 (a row naming chunks: ZeroLock on that split, at the default split's LRs), LoRA r=8, lora_alpha=16 on {a.targets} ({', '.join(Q.LORA_TARGETS[a.targets])}), "
