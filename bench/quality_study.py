@@ -12,9 +12,10 @@ The plan, in order (each step runs what is missing):
   2. per task: --seeds at the chosen LR, test split, at --sweep-budget (with an accuracy curve)
   3. per task: the other --budgets at the same LR, all seeds
 Tasks run one after the other in the order of --tasks (steps 1-2 of every task before step 3).
-With --base-weights int8 / int4 (issue 33: the frozen base as zl-export stores it) or --epochs
-above 1 there is no sweep: each method trains at the LR the fp32 base's one-epoch sweep chose,
-seeds at every budget.
+With --base-weights int8 / int4 (issue 33: the frozen base as zl-export stores it), --epochs
+above 1 or --chunks other than 0-9,10-19,20-29 (ZeroLock's split; BP has none) there is no sweep:
+each method trains at the LR the fp32 base's one-epoch sweep on the default split chose, seeds at
+every budget.
 `--methods zl-pipeline` (alone) trains ZeroLock's default through the real pipeline instead: the
 ExecuTorch programs exported with the fast path's lenses and LoRA init, `zl-host run` on three
 emulated phones, at the fast twin's chosen LR, --seeds x --budgets.
