@@ -64,8 +64,9 @@ sys.path.insert(0, str(ROOT))
 from bench.common import machine, now_iso, replace_md_section  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_SPLIT = "0-9,10-19,20-29"
 CHUNKS = ((0, 9), (10, 19), (20, 29))  # the split ZeroLock's methods train; set_chunks changes it (BP has none)
+DEFAULT_SPLIT = ",".join(f"{f}-{l}" for f, l in CHUNKS)
+LAYERS = CHUNKS[-1][1] + 1
 
 
 def set_chunks(spec: str) -> None:
@@ -73,7 +74,9 @@ def set_chunks(spec: str) -> None:
     from exporter.chunk_spec import parse_chunk_spec
 
     global CHUNKS
-    CHUNKS = tuple(parse_chunk_spec(spec, 30))
+    CHUNKS = tuple(parse_chunk_spec(spec, LAYERS))
+
+
 RESULTS = ROOT / "bench" / "results" / "quality.json"
 
 

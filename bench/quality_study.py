@@ -51,10 +51,15 @@ METRIC = {"wordnet": "choice_accuracy", "wordnet-reverse": "exact_match"}
 PIPELINE, PIPELINE_TWIN = "zl-pipeline", "zl-last1-lens"  # the real pipeline runs the default's settings
 
 
+def trained_split(method, chunks) -> str:
+    """The split a method's cell is trained on: ZeroLock's methods train `chunks`, BP and zero-shot have none."""
+    return chunks if method.startswith("zl") else Q.DEFAULT_SPLIT
+
+
 def cell_name(task, method, lr, seed, budget, epochs, targets, split, base_weights="fp32", chunks=Q.DEFAULT_SPLIT) -> str:
     bw = "" if base_weights == "fp32" else f"_{base_weights}"  # fp32 cells keep the names they were run under
-    # another split: its layer counts (5-5-20); BP's cells are the same under any split
-    c = "" if chunks == Q.DEFAULT_SPLIT or not method.startswith("zl") else "_c" + "-".join(
+    chunks = trained_split(method, chunks)  # another split is named by its layer counts (5-5-20)
+    c = "" if chunks == Q.DEFAULT_SPLIT else "_c" + "-".join(
         str(int(r.split("-")[1]) - int(r.split("-")[0]) + 1) for r in chunks.split(","))
     return f"{task}/{method}_{targets}{bw}{c}_n{budget}_e{epochs}_lr{lr:g}_s{seed}_{split}.json"
 
@@ -192,7 +197,7 @@ class Study:
             r = Q.train_and_eval(self.base, d, method, lr, seed, s, label_ids, split, curve_mbs=curve_mbs,
                                  lenses=lenses, log=log, extra_eval=extra)
         r.update(task=task, budget=budget, epochs=epochs, targets=targets, base_weights=self.a.base_weights,
-                 chunks=self.a.chunks if method.startswith("zl") else Q.DEFAULT_SPLIT,
+                 chunks=trained_split(method, self.a.chunks),
                  wall_seconds=time.time() - t0,
                  load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
         f = self.cells / name
@@ -468,7 +473,7 @@ def main(argv=None) -> int:
     p.add_argument("--base-weights", default="fp32", choices=BASE_WEIGHTS,
                    help="the frozen base as zl-export --base-weights stores it (int8 / int4: at the fp32 sweep's LRs)")
     p.add_argument("--chunks", default=Q.DEFAULT_SPLIT,
-                   help="ZeroLock's split of the 30 layers (another split: at the default's swept LRs)")
+                   help=f"ZeroLock's split of the {Q.LAYERS} layers (another split: at the default's swept LRs)")
     p.add_argument("--val", type=int, default=128)
     p.add_argument("--test", type=int, default=400)
     p.add_argument("--curve-every", type=int, default=256)
