@@ -31,12 +31,16 @@ class Encoded:
 
 
 class EncodedList(list):
-    """``list[Encoded]`` plus ``rejected`` (reason -> count) and ``n_truncated``."""
+    """``list[Encoded]`` plus ``rejected`` (reason -> count), ``n_truncated`` (rows cut, of
+    ``n_rows``) and ``answer_tokens_lost`` (answer tokens the cuts removed)."""
 
     def __init__(self, rows=(), *, rejected: Counter | None = None, n_truncated: int = 0):
         super().__init__(rows)
         self.rejected: Counter = rejected if rejected is not None else Counter()
         self.n_truncated = n_truncated
+        self.answer_tokens_lost = 0
+        self.n_rows = 0
+        self.n_chat = 0  # chat rows among them (cut at the end; the others lose the prompt's start first)
 
     @property
     def n_rejected(self) -> int:
@@ -82,6 +86,27 @@ def encode_examples(examples, tokenizer, seq_len: int, *,
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     out = EncodedList()
     for k, ex in enumerate(examples):
+        out.n_rows += 1
+        if isinstance(ex, dict) and "messages" in ex:
+            from .chat import chat_ids
+
+            ids, is_answer = chat_ids(tokenizer, ex["messages"])
+            out.n_chat += 1
+            if len(ids) > seq_len:  # cut at the end: the conversation's start is what later turns rest on
+                out.n_truncated += 1
+                out.answer_tokens_lost += sum(is_answer[seq_len:])
+                ids, is_answer = ids[:seq_len], is_answer[:seq_len]
+            labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int64)
+            for i in range(1, len(ids)):
+                if is_answer[i]:
+                    labels[i - 1] = ids[i]
+            enc = Encoded(np.asarray(ids, dtype=np.int64), labels)
+            if enc.n_targets == 0:
+                out.rejected["rows with no answer token left after truncation to "
+                             f"seq_len={seq_len}"] += 1
+                continue
+            out.append(enc)
+            continue
         if not isinstance(ex, dict) or not ({"prompt", "completion"} <= ex.keys()
                                             or "text" in ex):
             raise DataError(f"example {k} is not a {{'prompt','completion'}} or {{'text'}} "
@@ -102,6 +127,7 @@ def encode_examples(examples, tokenizer, seq_len: int, *,
                 p = p[cut:]
                 overflow -= cut
                 if overflow > 0:
+                    out.answer_tokens_lost += overflow
                     answer = answer[:len(answer) - overflow]
             ids = bos + p + answer
             labels = _shifted_labels(ids, answer_start=len(bos) + len(p))
@@ -114,6 +140,18 @@ def encode_examples(examples, tokenizer, seq_len: int, *,
             continue
         out.append(enc)
     return out
+
+
+def truncation_summary(encoded: EncodedList, seq_len: int) -> str:
+    """The run's truncation policy and what it did, one line ('' when no row was too long)."""
+    skipped = sum(n for why, n in encoded.rejected.items() if "truncation" in why)
+    if not encoded.n_truncated:
+        return ""
+    where = ("cut at the end (chat rows keep their start)" if encoded.n_chat == encoded.n_rows else
+             "prompts lose their start first, then answers their end" if not encoded.n_chat else
+             "chat rows cut at the end, prompt rows lose their prompt's start first")
+    return (f"{encoded.n_truncated} of {encoded.n_rows} rows are longer than seq_len={seq_len}: {where}; "
+            f"{encoded.answer_tokens_lost} answer tokens lost; {skipped} rows skipped (no answer token left)")
 
 
 def make_microbatches(encoded, micro_batch_size: int, seq_len: int, pad_id: int, *,
@@ -151,13 +189,15 @@ def make_microbatches(encoded, micro_batch_size: int, seq_len: int, pad_id: int,
     return batches
 
 
-def tokenized_microbatches(examples, tokenizer, seq_len: int, micro_batch_size: int) -> list[dict[str, np.ndarray]]:
+def tokenized_microbatches(examples, tokenizer, seq_len: int, micro_batch_size: int, say=None) -> list[dict[str, np.ndarray]]:
     """encode_examples then make_microbatches (the last one padded), padding with the tokenizer's
     pad token, or its eos where it has none: what training, eval and the readout lens's
-    calibration all read."""
+    calibration all read. `say(line)` hears the truncation policy when a row was too long."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    return make_microbatches(encode_examples(examples, tokenizer, seq_len), micro_batch_size, seq_len, pad,
-                             drop_last=False)
+    encoded = encode_examples(examples, tokenizer, seq_len)
+    if say is not None and (line := truncation_summary(encoded, seq_len)):
+        say(line)
+    return make_microbatches(encoded, micro_batch_size, seq_len, pad, drop_last=False)
 
 
 def check_loss_positions(batches, capacity: int, micro_batch_size: int | None = None) -> None:

@@ -181,6 +181,8 @@ def load_jsonl(path: str) -> LoadedExamples:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
                 records.append(_BAD_JSON)
+    if any(isinstance(o, dict) and "messages" in o for o in records):
+        return _load_chat(path, content, records if parsed_whole else None)
     rows: list[dict] = []
     bad_lines: list[int] = []
     for obj, number in zip(records, line_of):
@@ -200,6 +202,36 @@ def load_jsonl(path: str) -> LoadedExamples:
 
 
 _BAD_JSON = object()
+
+
+def _load_chat(path: str, content: str, array: list | None) -> LoadedExamples:
+    """A chat file (zl_common/data/chat.py): every row must be a well-formed conversation; the first
+    that is not stops the load with one line naming the file, the row and the problem."""
+    from .chat import read_messages_row
+
+    if array is not None:  # a JSON array: rows are its elements, counted from 1
+        numbered = [(k, _chat_element(o), "element") for k, o in enumerate(array, 1)]
+    else:
+        numbered = [(n, read_messages_row(line), "line") for n, line in enumerate(content.splitlines(), 1)
+                    if line.strip()]
+    rows = []
+    for n, row, what in numbered:
+        if isinstance(row, str):
+            raise DataError(f"{path}: {what} {n}: {row}; {_CHAT_FIX}")
+        rows.append({"messages": row["messages"]})
+    return LoadedExamples(rows, source=path, n_read=len(rows))
+
+
+def _chat_element(obj) -> dict | str:
+    from .chat import check_messages
+
+    if not isinstance(obj, dict) or "messages" not in obj:
+        return 'not a {"messages": [...]} object (a chat file has chat rows only)'
+    return check_messages(obj) or obj
+
+
+_CHAT_FIX = ('expected one {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]} '
+             'object per line with at least one assistant turn')
 
 
 # ---------------------------------------------------------------- dispatch
