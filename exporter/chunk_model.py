@@ -6,17 +6,21 @@ forward(x, attention_mask, position_ids, loss_index, loss_target, loss_weight, a
   alpha [1]: the task/consistency blend (an input, so a run can override the export default)
 returns (loss, task_loss, consis_loss, h_k) with h_k detached.
 The readout (frozen final norm + lm_head; a calibrated lens instead of the norm where the export
-fitted one, exporter/readout_lens.py) runs only on the N gathered rows."""
+fitted one, exporter/readout_lens.py) runs only on the N gathered rows. With --readout tail:D it
+first runs the state through D of the model's own later layers, frozen at the base (base_view):
+readout only, in phase 2, never part of the adapter."""
 from __future__ import annotations
 
+import copy
 import re
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
 
 from . import readout_lens, readout_loss
 from .base_weights import dequantize
-from .config import ExportConfig
+from .config import ExportConfig, tail_depth, tail_end
 from .marker import pipeline_marker
 
 
@@ -68,6 +72,20 @@ def _frozen_list(tensors) -> nn.ParameterList:
     return nn.ParameterList(nn.Parameter(t, requires_grad=False) for t in tensors)
 
 
+def base_view(module: nn.Module) -> nn.Module:
+    """`module` without its LoRA: a shallow copy whose peft-wrapped Linears are their base layers.
+    The frozen weights are the same Parameter objects (no copy, stored once by the export); no
+    LoRA tensor is reachable from it, so the tail is never part of the adapter."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if isinstance(module, BaseTunerLayer):
+        return module.get_base_layer()
+    new = copy.copy(module)
+    new._parameters, new._buffers = dict(module._parameters), dict(module._buffers)
+    new._modules = {n: (base_view(c) if c is not None else None) for n, c in module._modules.items()}
+    return new
+
+
 class ChunkModel(nn.Module):
     def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, layer_offset: int = 0,
                  lenses: dict | None = None, num_layers: int | None = None):
@@ -102,8 +120,20 @@ class ChunkModel(nn.Module):
             self.embed = None
         n_layers = num_layers or base.config.num_hidden_layers
         lenses = lenses or {}
-        self.lens_out = _frozen_list(lenses[last]) if last in lenses and last != n_layers - 1 else None
-        self.lens_in = _frozen_list(lenses[first - 1]) if first - 1 in lenses else None
+        # tail:D: h_k is read through layers last+1..end_out and h_{k-1} (consistency, as chunk k-1
+        # reads its own) through first..end_in, all at the base; ends below the top need a lens
+        depth = tail_depth(cfg.readout, n_layers)
+        self.end_out, self.end_in = tail_end(last, depth, n_layers), tail_end(first - 1, depth, n_layers)
+        held = base.model.layers
+        tail = lambda a, b: nn.ModuleList(base_view(held[i - layer_offset]) for i in range(a, b + 1))  # noqa: E731
+        self.tail_out, self.tail_in = tail(last + 1, self.end_out), tail(first, self.end_in)
+        for end in (self.end_out, self.end_in):
+            if depth and end != n_layers - 1 and end not in lenses:
+                raise ValueError(f"--readout {cfg.readout}: no lens after layer {end}, where a tail ends below "
+                                 "the top: export with zl-export, which fits one there")
+        top = n_layers - 1
+        self.lens_out = _frozen_list(lenses[self.end_out]) if self.end_out in lenses and self.end_out != top else None
+        self.lens_in = _frozen_list(lenses[self.end_in]) if self.end_in in lenses and self.end_in != top else None
         S = cfg.seq_len
         self.register_buffer("causal", torch.ones(S, S, dtype=torch.bool).tril(), persistent=False)
 
@@ -140,22 +170,34 @@ class ChunkModel(nn.Module):
             start += n
         return out.reshape(*ids.shape, out.shape[-1])
 
-    def run_layers(self, h, attention_mask, position_ids):
+    def attention(self, h, attention_mask, position_ids):
+        """(additive causal mask, rotary tables, position_ids): what every layer of this micro-batch reads."""
         allowed = self.causal[None, None] & (attention_mask[:, None, None, :] > 0)
         # an fp32 mask (what the scalars make) for any h: a float64 copy (--verify's reference) adds it as is
         mask = torch.where(allowed, 0.0, torch.finfo(torch.float32).min)
-        pos = self.rotary(h, position_ids)
-        for layer in self.layers:
+        return mask, self.rotary(h, position_ids), position_ids
+
+    def run_layers(self, h, attention_mask, position_ids, layers=None, attn=None):
+        """h through `layers` (the chunk's own by default); `attn`: attention()'s, if already made."""
+        mask, pos, position_ids = attn or self.attention(h, attention_mask, position_ids)
+        for layer in self.layers if layers is None else layers:
             h = layer(h, attention_mask=mask, position_ids=position_ids, position_embeddings=pos)
         return h
 
-    def local_loss(self, h_in, h, loss_index, loss_target, loss_weight, alpha):
+    def through_tail(self, h, tail, attn):
+        """h [B,S,d] through a readout tail (frozen later layers; nothing when the tail is empty)."""
+        return self.run_layers(h, None, None, tail, attn) if len(tail) else h
+
+    def local_loss(self, h_in, h, loss_index, loss_target, loss_weight, alpha, attn=None):
         """alpha * CE + (1 - alpha) * KL(p_k || stopgrad p_{k-1}) over the valid rows; p_{k-1} is
-        recomputed here from h_{k-1}. The readout's gradient is written out (readout_loss)."""
+        recomputed here from h_{k-1}. The readout's gradient is written out (readout_loss).
+        `attn`: attention()'s tuple for this micro-batch; a readout tail needs it."""
         d = h.shape[-1]
+        h = self.through_tail(h, self.tail_out, attn)
         u = self.read(h.reshape(-1, d).index_select(0, loss_index), self.lens_out)  # [N, d]
         a = alpha.reshape(())
         with torch.no_grad():
+            h_in = self.through_tail(h_in, self.tail_in, attn)
             u_prev = self.read(h_in.reshape(-1, d).index_select(0, loss_index), self.lens_in)
             task, consis, grad_u = readout_loss.loss_and_grad(u, u_prev, loss_target, loss_weight, a,
                                                               self.readout_blocks())
@@ -165,7 +207,7 @@ class ChunkModel(nn.Module):
     def lens_tensors(self) -> dict:
         """The chunk's lenses under readout_lens.to_tensors names (what the eager weights file keeps)."""
         out = {}
-        for after, lens in ((self.last, self.lens_out), (self.first - 1, self.lens_in)):
+        for after, lens in ((self.end_out, self.lens_out), (self.end_in, self.lens_in)):
             if lens is not None:
                 out.update(readout_lens.to_tensors({after: (lens[0].detach(), lens[1].detach())}))
         return out
@@ -178,9 +220,10 @@ class ChunkModel(nn.Module):
 
     def forward(self, x, attention_mask, position_ids, loss_index, loss_target, loss_weight, alpha):
         h_in = self.embed_ids(x) if self.is_first else x
-        h = self.run_layers(h_in, attention_mask, position_ids)
+        attn = self.attention(h_in, attention_mask, position_ids)
+        h = self.run_layers(h_in, attention_mask, position_ids, attn=attn)
         h = pipeline_marker(h)  # phase boundary: everything before it is phase 1
-        loss, task, consis = self.local_loss(h_in, h, loss_index, loss_target, loss_weight, alpha)
+        loss, task, consis = self.local_loss(h_in, h, loss_index, loss_target, loss_weight, alpha, attn)
         return loss, task.detach(), consis.detach(), h.detach()
 
 
@@ -228,7 +271,8 @@ class BPChunkModel(ChunkModel):
     gradients only). The marker after the layers splits forward (phase1) from backward (phase2)."""
 
     def __init__(self, peft_model, first: int, last: int, cfg: ExportConfig, is_last: bool, layer_offset: int = 0):
-        super().__init__(peft_model, first, last, cfg, layer_offset)
+        # a BP stage reads out only at the end, through the final norm: no tail, no lens
+        super().__init__(peft_model, first, last, replace(cfg, readout="static"), layer_offset)
         self.is_last = is_last
         if not is_last:  # only the last stage owns the readout
             self.norm = None

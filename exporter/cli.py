@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from .chunk_spec import DEFAULT_CHUNKS
-from .config import BASE_WEIGHTS, DECODE_BLOCK_WEIGHTS, READOUTS, ExportConfig
+from .config import BASE_WEIGHTS, DECODE_BLOCK_WEIGHTS, ExportConfig, readout_problem
 from .errors import ExportError
 
 
@@ -47,10 +47,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eager-weights", action="store_true",
                    help="also write each chunk's frozen weights as chunk_k_weights.safetensors, for phones that run "
                         "the chunk in eager PyTorch instead of ExecuTorch (zl-phone --backend eager)")
-    p.add_argument("--readout", choices=READOUTS + ("auto",), default="auto",
+    p.add_argument("--readout", default="auto", metavar="{static,lens,tail:D,tail:all,auto}",
                    help="what the frozen lm_head reads each chunk's h through: static (the final norm, the seed's "
                         "option (a)), lens (a linear lens per chunk boundary fitted to the final layer on "
-                        "--calibration-data: a real model's early layers are not readable by its final norm), or "
+                        "--calibration-data: a real model's early layers are not readable by its final norm), "
+                        "tail:D (D of the model's own frozen later layers run on the phone in phase 2, then the "
+                        "final norm at the top or a lens fitted at the tail's end; tail:all: every later layer, "
+                        "the backprop gradient with the later chunks at the base), or "
                         "auto (default: lens for a pretrained model, static for the random tiny one)")
     p.add_argument("--calibration-data", default=None,
                    help="text the lens is fitted on, as zl-host run --data takes (CSV, JSONL, wordnet); default "
@@ -84,6 +87,8 @@ def config_from_args(a) -> ExportConfig:
     for name in ("lora_rank", "seq_len", "micro_batch"):
         if getattr(a, name) < 1:
             raise ExportError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(a, name)}")
+    if a.readout != "auto" and readout_problem(a.readout):
+        raise ExportError(readout_problem(a.readout))
     if a.decode_block < 1:
         raise ExportError(f"--decode-block must be at least 1 weight, got {a.decode_block}: give e.g. "
                           f"--decode-block {DECODE_BLOCK_WEIGHTS} (the default)")

@@ -26,7 +26,7 @@ from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora,
                           bp_input_names, example_inputs, input_names, peft_name)
 from .chunk_jobs import default_jobs, run_chunk_jobs
 from .chunk_spec import parse_chunk_spec
-from .config import ExportConfig
+from .config import ExportConfig, readout_lens_layers, readout_problem, tail_depth
 from .errors import ExportError, OutputDirError, VerifyError
 from .lower import joint_program, lower_two_phase
 from .lowering_cache import PreprocessCache
@@ -137,6 +137,8 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
     core, as memory allows; 1: one after another in this process; chunk_jobs). Returns (manifest,
     per-chunk artifacts)."""
     say = progress or (lambda msg: None)
+    if readout_problem(cfg.readout):
+        raise ExportError(readout_problem(cfg.readout))
     if not modes or set(modes) - set(MODES):
         raise ValueError(f"modes must be a non-empty subset of {MODES}, got {modes}")
     modes = tuple(m for m in MODES if m in modes)
@@ -180,10 +182,13 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             load_gguf_tokenizer(gguf_file).save_pretrained(tmp / "tokenizer")
 
         lens_info = None
-        if cfg.readout == "lens" and "zerolock" not in modes:
+        if cfg.readout != "static" and "zerolock" not in modes:
             cfg = replace(cfg, readout="static")  # a BP stage reads out only at the end, through the final norm
-        if cfg.readout == "lens":
-            lenses, lens_info = _readout_lenses(model, ranges, cfg, tmp, calibration, lenses, say)
+        depth = tail_depth(cfg.readout, hf_cfg.num_hidden_layers)
+        lens_layers = (readout_lens_layers(ranges, depth, hf_cfg.num_hidden_layers)
+                       if cfg.readout != "static" else [])
+        if lens_layers:  # lens, or tail:D with tails ending below the top
+            lenses, lens_info = _readout_lenses(model, lens_layers, cfg, tmp, calibration, lenses, say)
         else:
             lenses = None
         quantize_base(model, cfg.base_weights, cfg.decode_block_weights)
@@ -199,6 +204,8 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
                 say(f"chunk {k}: layers {first}-{last}: tracing")
                 chunk = ChunkModel(peft_model, first, last, cfg, lenses=lenses).eval()
                 entry.update(_export_chunk(k, chunk, cfg, hf_cfg, tmp, say))
+                if depth:
+                    entry["readout_tail"] = _tail_record(chunk, hf_cfg.num_hidden_layers)
             if "bp" in modes:
                 say(f"chunk {k}: layers {first}-{last}: tracing the BP stage")
                 bp_chunk = BPChunkModel(peft_model, first, last, cfg, is_last=k == len(ranges) - 1).eval()
@@ -206,7 +213,9 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             entry.update(_write_lora_init(k, chunk or bp_chunk, tmp))
             if eager_weights:
                 say(f"chunk {k}: writing the frozen weights for the eager backend")
-                entry["eager_weights"] = _write_eager_weights(k, peft_model.base_model.model, first, last, tmp,
+                # the layers the readout tails run too (chunk.end_out: last, without a tail)
+                entry["eager_weights"] = _write_eager_weights(k, peft_model.base_model.model, first,
+                                                              chunk.end_out if chunk else last, tmp,
                                                               chunk.lens_tensors() if chunk else {})
             entry["export_seconds"] = round(time.time() - t0, 2)
             say(f"chunk {k}: done in {time.time() - t0:.1f} s")
@@ -251,6 +260,17 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _tail_record(chunk: ChunkModel, num_layers: int) -> dict:
+    """The manifest's note of what a chunk's readout runs: its own h through layers
+    out[0]..out[1], h_{k-1} through in[0]..in[1] (empty: none), each then read by "norm" or "lens"."""
+    def side(a, end, lens):
+        return {"layers": [a, end] if end >= a else [], "reads": "lens" if lens is not None else "norm",
+                **({"lens_after": end} if lens is not None else {})}
+
+    return {"out": side(chunk.last + 1, chunk.end_out, chunk.lens_out),
+            "in": side(chunk.first, chunk.end_in, chunk.lens_in)}
 
 
 def _largest_chunk_bytes(peft_model, ranges) -> int:
@@ -357,12 +377,12 @@ def _write_eager_weights(k: int, base, first: int, last: int, tmp: Path, lens: d
 CALIBRATION_EXAMPLES = 256  # enough for the lens's d x d solve (SmolLM2: ~5,500 positions, ~20 s)
 
 
-def _readout_lenses(model, ranges, cfg: ExportConfig, tmp: Path, calibration, lenses, say):
-    """Fit (or take) the lenses at every chunk boundary but the model's last, write them to
-    readout_lens.safetensors; returns (lenses, the manifest's record of them)."""
+def _readout_lenses(model, after, cfg: ExportConfig, tmp: Path, calibration, lenses, say):
+    """Fit (or take) the lenses after the layers `after` (lens: every chunk boundary but the
+    model's last; tail:D: where tails end below the top), write them to readout_lens.safetensors;
+    returns (lenses, the manifest's record of them)."""
     from . import readout_lens
 
-    after = [readout_lens.EMBEDDING] + [last for _, last in ranges[:-1]]
     record = {"file": readout_lens.FILE, "after_layers": after}
     if lenses is None:
         batches = _calibration_batches(tmp / "tokenizer", calibration, cfg)
@@ -380,7 +400,8 @@ def _readout_lenses(model, ranges, cfg: ExportConfig, tmp: Path, calibration, le
         record["calibration"] = "given"
     missing = [i for i in after if i not in lenses]
     if missing:
-        raise ExportError(f"no readout lens after layer {missing[0]}: the lenses must cover every chunk boundary")
+        raise ExportError(f"no readout lens after layer {missing[0]}: the lenses must cover every chunk boundary "
+                          "and every readout tail's end below the top")
     save_file(readout_lens.to_tensors({i: lenses[i] for i in after}), str(tmp / readout_lens.FILE))
     return lenses, record
 
@@ -391,7 +412,7 @@ def _calibration_batches(tok_dir: Path, calibration, cfg: ExportConfig) -> list:
     from zl_common.data import DataError, load_examples, tokenized_microbatches
 
     if not tok_dir.is_dir():
-        raise ExportError("--readout lens needs the model's tokenizer to read calibration text; "
+        raise ExportError(f"--readout {cfg.readout} needs the model's tokenizer to read the lens's calibration text; "
                           "export from a model directory with tokenizer files, or use --readout static")
     tok = AutoTokenizer.from_pretrained(tok_dir)
     try:

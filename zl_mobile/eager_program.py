@@ -34,6 +34,7 @@ class _Graph:
     h: torch.Tensor             # h_k, still attached to the graph
     leaves: list                # LoRA tensors (requires_grad), in self._order
     x_leaf: torch.Tensor | None  # BP, non-first chunk: h_{k-1} as a leaf, for dL/dh_{k-1}
+    attn: tuple = ()            # the micro-batch's mask and rotary tables (a readout tail runs them)
 
 
 class _Forward(nn.Module):
@@ -46,7 +47,8 @@ class _Forward(nn.Module):
     def forward(self, x, attention_mask, position_ids):
         c = self.chunk
         h_in = c.embed_ids(x) if c.is_first else x
-        return h_in, c.run_layers(h_in, attention_mask, position_ids)
+        attn = c.attention(h_in, attention_mask, position_ids)
+        return h_in, c.run_layers(h_in, attention_mask, position_ids, attn=attn), attn
 
 
 def check_torch_device(spec: str) -> torch.device:
@@ -90,8 +92,13 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
     from exporter.chunk_model import BPChunkModel, ChunkModel, lora_config
     from exporter.readout_lens import from_tensors
 
+    from exporter.config import tail_depth, tail_end
+
     conf = LlamaConfig(**hf_config)
-    conf.num_hidden_layers = last - first + 1
+    # a ZeroLock chunk's readout tail (--readout tail:D) runs the layers after it too, at the base
+    n_layers = hf_config["num_hidden_layers"]
+    end = last if bp_last is not None else tail_end(last, tail_depth(cfg.readout, n_layers), n_layers)
+    conf.num_hidden_layers = end - first + 1
     conf._attn_implementation = "eager"  # as exported: plain attention with the chunk's additive mask
     with torch.device("meta"):  # no memory and no random init for weights that are loaded next
         base = LlamaForCausalLM(conf)
@@ -187,10 +194,10 @@ class EagerChunkProgram(NamedMethods):
         if self.bp and not self.module.is_first:  # dL/dh_{k-1} is the gradient w.r.t. this input
             x = x_leaf = x.detach().clone().requires_grad_(True)
         with torch.enable_grad():
-            h_in, h = torch.func.functional_call(
+            h_in, h, attn = torch.func.functional_call(
                 self._forward, {name: leaf for (_, name), leaf in zip(self._order, leaves)},
                 (x, self._to(values["attention_mask"]), self._to(values["position_ids"])))
-        return {"h_out": self._out(h), GRAPH: _Graph(h_in, h, leaves, x_leaf)}
+        return {"h_out": self._out(h), GRAPH: _Graph(h_in, h, leaves, x_leaf, attn)}
 
     def _graph(self, method: str, values: dict) -> _Graph:
         g = values.get(GRAPH)
@@ -215,7 +222,7 @@ class EagerChunkProgram(NamedMethods):
         g = self._graph("phase2", values)
         idx, tgt, w, alpha = (self._to(values[n]) for n in names)
         with torch.enable_grad():
-            loss, task, consis = self.module.local_loss(g.h_in, g.h, idx, tgt, w, alpha)
+            loss, task, consis = self.module.local_loss(g.h_in, g.h, idx, tgt, w, alpha, g.attn)
             grads = self._grads(g, loss)
         return {"loss": self._out(loss), "task_loss": self._out(task), "consis_loss": self._out(consis), **grads}
 
