@@ -22,6 +22,10 @@ rate picked by the same sweep on the validation split (validation answer NLL):
              (exporter/readout_lens.py, fitted on the training rows' text; or the export's own with
              --pipeline-export); the last chunk through the model's norm
   zl-rising-lens, zl-last1-lens  per-chunk alpha with the lens: 0.5 / 0.75 / 1 and 0.5 / 0.5 / 1
+  zl-tailD-lens, zl-tailall  issue 49's "tail:D" readout, zl-last1-lens's alphas: chunk k's local loss (and
+             its p_{k-1}) reads h through D of the model's own later layers at their base weights, then the
+             lens at that depth (fitted like the others) or the final norm at the top; tail:all runs
+             every later layer (chunk k's exact backprop gradient with the later chunks at the base)
   zl-pipeline  ZeroLock through the real pipeline: zl-host run on three emulated phones running
              the ExecuTorch programs of --pipeline-export, same rows and order, LR of its fast twin
 The static-readout ZeroLock runs each chunk as exporter.chunk_model.ChunkModel, the module zl-export traces into
@@ -44,6 +48,7 @@ every method, so the numbers compare), found per position by bisection.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import math
@@ -73,8 +78,9 @@ def set_chunks(spec: str) -> None:
     """ZeroLock's split for this process (issue 32's split study: a deeper last chunk), e.g. "0-4,5-9,10-29"."""
     from exporter.chunk_spec import parse_chunk_spec
 
-    global CHUNKS
+    global CHUNKS, LORA_TARGETS, LORA_RANK_PATTERNS
     CHUNKS = tuple(parse_chunk_spec(spec, LAYERS))
+    LORA_TARGETS, LORA_RANK_PATTERNS = _lora_targets()
 
 
 RESULTS = ROOT / "bench" / "results" / "quality.json"
@@ -88,11 +94,17 @@ DOC = ROOT / "docs" / "BENCHMARKS.md"
 HEADING = "## Quality: ZeroLock vs backprop on SmolLM2-135M (bench/quality.py)"
 KEEP = "### Issue 32 study"  # bench/quality_study.py's sub-section after the generated part, kept on re-render
 METHODS = ("zero-shot", "bp", "zl0.5", "zl1", "zl0.5-ra", "zl0.5-lens", "zl1-lens", "zl-rising-lens", "zl-last1-lens",
-           "zl-lastonly-lens", "zl-last3x-lens", "zl-early0.1x-lens", "zl-pipeline")
+           "zl-lastonly-lens", "zl-last3x-lens", "zl-early0.1x-lens",
+           "zl-tail1-lens", "zl-tail2-lens", "zl-tail5-lens", "zl-tail10-lens", "zl-tailall", "zl-pipeline")
+# issue 49's tail readout ("tail:D"): chunk k reads h_k through D of the model's own frozen later layers
+# (base weights), then the lens at that depth (the final norm at the top) into the frozen head; the
+# default's per-chunk alpha (zl-last1-lens: tail:0)
+TAIL = re.compile(r"zl-tail(\d+|all)(-lens)?$")
 # alpha per method; a tuple is per chunk (the seed review's suggestion: more task weight deeper down)
 ALPHAS = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5, "zl0.5-lens": 0.5, "zl1-lens": 1.0,
           "zl-rising-lens": (0.5, 0.75, 1.0), "zl-last1-lens": (0.5, 0.5, 1.0),
-          "zl-lastonly-lens": (0.5, 0.5, 1.0), "zl-last3x-lens": (0.5, 0.5, 1.0), "zl-early0.1x-lens": (0.5, 0.5, 1.0)}
+          "zl-lastonly-lens": (0.5, 0.5, 1.0), "zl-last3x-lens": (0.5, 0.5, 1.0), "zl-early0.1x-lens": (0.5, 0.5, 1.0),
+          **{m: (0.5, 0.5, 1.0) for m in ("zl-tail1-lens", "zl-tail2-lens", "zl-tail5-lens", "zl-tail10-lens", "zl-tailall")}}
 # LR per chunk, as a multiple of the method's LR (issue 32's "rank or LR per chunk"); 0 leaves a
 # chunk's adapters as they start (lastonly: what the last chunk alone makes of the task)
 LR_SCALES = {"zl-lastonly-lens": (0.0, 0.0, 1.0), "zl-last3x-lens": (1.0, 1.0, 3.0), "zl-early0.1x-lens": (0.1, 0.1, 1.0)}
@@ -154,14 +166,22 @@ def batches(enc, order, B, S, pad):
 # LoRA targets: the shipped q/v, or every linear layer of the blocks (issue 32's candidate), same for all methods
 LORA_R, LORA_ALPHA = 8, 16
 _ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-_LAST = "|".join(str(i) for i in range(CHUNKS[-1][0], CHUNKS[-1][1] + 1))  # the last chunk's layers
-_EARLY = "|".join(str(i) for i in range(CHUNKS[-1][0]))
-LORA_TARGETS = {"qv": ["q_proj", "v_proj"], "all": _ALL,
-                # the last chunk's reach (issue 32's "rank per chunk"): q/v at rank LORA_R before the last
-                # chunk, every linear at rank 32 in it, the same LoRA scale (lora_alpha / r)
-                "lastwide": rf".*layers\.({_EARLY})\.self_attn\.(q_proj|v_proj)"
-                            rf"|.*layers\.({_LAST})\.(self_attn|mlp)\.({'|'.join(_ALL)})"}
-LORA_RANK_PATTERNS = {"lastwide": {rf"layers\.({_LAST})\..*": 32}}
+
+
+def _lora_targets() -> tuple[dict, dict]:
+    """(LORA_TARGETS, LORA_RANK_PATTERNS) for the current CHUNKS: lastwide names the last chunk's layers,
+    so set_chunks recomputes them (they were fixed at import, to the default split, before)."""
+    last = "|".join(str(i) for i in range(CHUNKS[-1][0], CHUNKS[-1][1] + 1))  # the last chunk's layers
+    early = "|".join(str(i) for i in range(CHUNKS[-1][0]))
+    targets = {"qv": ["q_proj", "v_proj"], "all": _ALL,
+               # the last chunk's reach (issue 32's "rank per chunk"): q/v at rank LORA_R before the last
+               # chunk, every linear at rank 32 in it, the same LoRA scale (lora_alpha / r)
+               "lastwide": rf".*layers\.({early})\.self_attn\.(q_proj|v_proj)"
+                           rf"|.*layers\.({last})\.(self_attn|mlp)\.({'|'.join(_ALL)})"}
+    return targets, {"lastwide": {rf"layers\.({last})\..*": 32}}
+
+
+LORA_TARGETS, LORA_RANK_PATTERNS = _lora_targets()
 
 
 def peft_model(base, seed, targets="qv"):
@@ -215,6 +235,8 @@ class Trainer:
             self.data = {n: p.data for n, p in self.params.items()}
             self.acc = WindowGradients(self.data)
             self.opt = AdamW(self.data, AdamWConfig(lr=lr))
+        elif tail_depth(method) is not None:
+            self.readout = TailReadout(pm, lenses, tail_depth(method), S)
         elif method.endswith("-lens"):
             self.readout = LensReadout(pm, lenses)
         self.lr_scales = LR_SCALES.get(method, (1.0,) * len(CHUNKS))
@@ -250,13 +272,13 @@ class Trainer:
             llama = self.pm.base_model.model
             valid = _t(b, "labels") != -100
             y = _t(b, "labels")[valid]
-            x = _t(b, "input_ids")
+            x, att, pos = _t(b, "input_ids"), _t(b, "attention_mask"), _t(b, "position_ids")
             h_in = llama.model.embed_tokens(x)
             with torch.no_grad():
-                logq = F.log_softmax(llama.lm_head(self.readout.u(-1, h_in[valid])), dim=-1)
+                logq = F.log_softmax(llama.lm_head(self.readout.read(-1, h_in, valid, att, pos)), dim=-1)
             for k, ch in enumerate(self.chunks):
-                h = ch.run_layers(h_in, _t(b, "attention_mask"), _t(b, "position_ids"))
-                logp = F.log_softmax(llama.lm_head(self.readout.u(k, h[valid])), dim=-1)
+                h = ch.run_layers(h_in, att, pos)
+                logp = F.log_softmax(llama.lm_head(self.readout.read(k, h, valid, att, pos)), dim=-1)
                 ce = F.nll_loss(logp, y)
                 kl = (logp.exp() * (logp - logq)).sum(-1).mean()
                 if self.lr_scales[k] > 0:
@@ -312,6 +334,11 @@ class StaticReadout:
     def u(self, k, h):
         return self.norm(h)
 
+    def read(self, k, h, sel, attention_mask=None, position_ids=None):
+        """What the head reads of chunk k's whole h [B, S, d] at the positions `sel` (a readout of
+        depth 0 reads the selected rows alone; the tail runs its layers over the sequence first)."""
+        return self.u(k, h[sel])
+
     def parameters(self) -> dict:
         return {}
 
@@ -347,12 +374,84 @@ class LensReadout(StaticReadout):
         return apply(h, a, b, self.eps)
 
 
-def fit_lenses(base, mbs, log=print) -> dict:
-    """The lenses zl-export fits, on these micro-batches' text (every real token, no labels)."""
+def tail_depth(method):
+    """D of a tail:D method (an int, or "all"); None for the others."""
+    m = TAIL.match(method)
+    return None if m is None else (m.group(1) if m.group(1) == "all" else int(m.group(1)))
+
+
+def tail_span(k, depth, n_layers=None):
+    """(first, last) of the frozen layers chunk k's readout runs (k = -1: the embedding's, chunk 0's
+    p_{k-1}); first > last when none. The readout after them: the final norm if last is the model's
+    top layer, else the lens after layer `last`."""
+    n_layers = n_layers or LAYERS
+    first = 0 if k == -1 else CHUNKS[k][1] + 1
+    last = n_layers - 1 if depth == "all" else min(first + depth - 1, n_layers - 1)
+    return first, last
+
+
+def tail_lens_boundaries(method, n_layers=None) -> list:
+    """The lens boundaries (after_layer) a method's readout needs besides the default's (chunk ends,
+    embedding): the depths below the top a tail:D readout stops at."""
+    depth = tail_depth(method)
+    if depth is None:
+        return []
+    n_layers = n_layers or LAYERS
+    default = {-1} | {last for _, last in CHUNKS[:-1]}
+    ends = {tail_span(k, depth, n_layers)[1] for k in range(-1, len(CHUNKS))}
+    return sorted(e for e in ends if e != n_layers - 1 and e not in default)
+
+
+class TailReadout(LensReadout):
+    """Issue 49's tail readout: chunk k's h runs through the next D layers of the model at its base
+    weights (LoRA off for them, whatever the later chunks have trained), then the lens at that depth
+    or, at the top, the final norm; tail:all is the whole rest of the model (for chunk k, the exact
+    backprop gradient with the later chunks at the base). The frozen layers are readout only: the
+    gradient flows through them to h_k, none reaches their LoRA."""
+
+    def __init__(self, pm, lenses, depth, seq_len):
+        from exporter.chunk_model import ChunkModel
+        from exporter.config import ExportConfig
+
+        super().__init__(pm, lenses or {})
+        self.pm, self.depth = pm, depth
+        self.n_layers = causal_lm(pm).config.num_hidden_layers
+        cfg = ExportConfig(seq_len=seq_len, micro_batch=1)
+        self.tails = {}
+        for k in range(-1, len(CHUNKS)):
+            first, last = tail_span(k, depth, self.n_layers)
+            if first <= last:
+                self.tails[k] = ChunkModel(pm, first, last, cfg, num_layers=self.n_layers)
+            if last != self.n_layers - 1 and last not in self.lenses:
+                raise ValueError(f"tail:{depth}: no lens after layer {last} (fit_lenses(..., extra={[last]}))")
+
+    def read(self, k, h, sel, attention_mask=None, position_ids=None):
+        from peft import PeftModel
+
+        from exporter.readout_lens import apply
+
+        _, last = tail_span(k, self.depth, self.n_layers)
+        if k in self.tails:
+            if position_ids is None:
+                position_ids = torch.arange(h.shape[1])[None].expand(h.shape[0], -1)
+            if attention_mask is None:
+                attention_mask = torch.ones(h.shape[:2], dtype=torch.long)
+            ctx = self.pm.disable_adapter() if isinstance(self.pm, PeftModel) else contextlib.nullcontext()
+            with ctx:
+                h = self.tails[k].run_layers(h, attention_mask, position_ids)
+        if last == self.n_layers - 1:
+            return self.norm(h[sel])
+        a, b = self.lenses[last]
+        return apply(h[sel], a, b, self.eps)
+
+
+def fit_lenses(base, mbs, log=print, extra=()) -> dict:
+    """The lenses zl-export fits, on these micro-batches' text (every real token, no labels); `extra`:
+    more boundaries (after_layer), fitted the same way (a tail:D readout's, tail_lens_boundaries)."""
     from exporter.readout_lens import EMBEDDING, fit_model_lenses
 
     t0 = time.time()
-    lenses, positions = fit_model_lenses(base, mbs, [EMBEDDING] + [last for _, last in CHUNKS[:-1]])
+    lenses, positions = fit_model_lenses(base, mbs, sorted({EMBEDDING, *[last for _, last in CHUNKS[:-1]], *extra}))
     log(f"lens: fitted on {positions} positions in {time.time() - t0:.0f} s")
     return lenses
 
@@ -403,10 +502,12 @@ def evaluate(pm_or_base, mbs, label_ids, readout=None) -> dict:
         rows = valid.any(1)
         first[rows, valid[rows].float().argmax(1)] = True
         y_all, y_lab = labels[valid], labels[first]
-        prev_lab = F.log_softmax(head(readout.u(-1, hs[0][first])), dim=-1)
+        att, pos = _t(b, "attention_mask"), (_t(b, "position_ids") if "position_ids" in b else None)
+        prev_lab = F.log_softmax(head(readout.read(-1, hs[0], first, att, pos)), dim=-1)
         for k, (_, last) in enumerate(CHUNKS):
             is_final = k == K - 1
-            u = (lambda sel: hs[-1][sel]) if is_final else (lambda sel, h=hs[last + 1], k=k: readout.u(k, h[sel]))
+            u = (lambda sel: hs[-1][sel]) if is_final else \
+                (lambda sel, h=hs[last + 1], k=k: readout.read(k, h, sel, att, pos))
             logp_all = F.log_softmax(head(u(valid)), dim=-1)
             logp_lab = F.log_softmax(head(u(first)), dim=-1)
             s = sums[k]
@@ -746,7 +847,8 @@ def main(argv=None) -> int:
             lenses = from_tensors(load_file(str(Path(a.pipeline_export) / pm_["readout_lens"]["file"])))
             print(f"lens: the export's ({pm_['readout_lens'].get('calibration')}, {pm_['readout_lens'].get('positions')} positions)")
     if lenses is None and any(m.endswith("-lens") for m in methods):  # once, on the training text, before any training
-        lenses = fit_lenses(base, batches(data["train"], range(len(data["train"])), a.micro_batch, a.seq_len, a.pad_id))
+        lenses = fit_lenses(base, batches(data["train"], range(len(data["train"])), a.micro_batch, a.seq_len, a.pad_id),
+                            extra=sorted({e for m in methods for e in tail_lens_boundaries(m)}))
     if lenses is not None:  # how well the lens reads the base model's chunks, before any training
         test_mbs = batches(data["test"], range(len(data["test"])), a.micro_batch, a.seq_len, a.pad_id)
         lens_zero_shot = evaluate(base, test_mbs, label_ids, LensReadout(base, lenses))

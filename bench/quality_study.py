@@ -16,12 +16,17 @@ With --base-weights int8 / int4 (issue 33: the frozen base as zl-export stores i
 above 1 or --chunks other than 0-9,10-19,20-29 (ZeroLock's split; BP has none) there is no sweep:
 each method trains at the LR the fp32 base's one-epoch sweep on the default split chose, seeds at
 every budget.
+Issue 49's tail readouts (zl-tail2-lens, zl-tail10-lens, zl-tailall: "tail:D") have no sweep either:
+they train at the LR the default's (zl-last1-lens) one-epoch sweep chose, seeds x budgets, on
+--split (validation for the depth curve, test after). `report` also writes the depth table.
 `--methods zl-pipeline` (alone) trains ZeroLock's default through the real pipeline instead: the
 ExecuTorch programs exported with the fast path's lenses and LoRA init, `zl-host run` on three
 emulated phones, at the fast twin's chosen LR, --seeds x --budgets.
 
   nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # resumable; start one
   nice -n 19 python bench/quality_study.py run --log /tmp/q32/study.log &   # worker per core: cells are locked
+  nice -n 19 python bench/quality_study.py run --tasks wordnet-reverse --methods zl-tailall --budgets 1024 \
+      --seeds 0 --split validation &   # issue 49's depth curve, one tail:D at the default's LR
   python bench/quality_study.py report      # bench/results/quality_study.json, the plot, the markdown
 """
 from __future__ import annotations
@@ -108,13 +113,16 @@ class Study:
         return SimpleNamespace(micro_batch=self.a.micro_batch, seq_len=self.a.seq_len, window=self.a.window,
                                curve_every=self.a.curve_every, pad_id=pad, epochs=epochs, targets=targets)
 
-    def task_lenses(self, task, budget):
-        """The frozen lens zl-export would fit, on this budget's training text; fitted once, kept on disk."""
+    def task_lenses(self, task, budget, extra=()):
+        """The frozen lens zl-export would fit, on this budget's training text; fitted once, kept on disk.
+        `extra`: boundaries a tail:D readout stops at (Q.tail_lens_boundaries), fitted the same way."""
         import torch
 
-        key = (task, budget)
+        extra = tuple(sorted(extra))
+        key = (task, budget, extra)
         if key not in self.lenses:
             ends = "" if self.a.chunks == Q.DEFAULT_SPLIT else "_ends" + "-".join(str(last) for _, last in Q.CHUNKS[:-1])
+            ends += "" if not extra else "_at" + "-".join(map(str, extra))
             f = Path(self.a.cache) / "lenses" / f"{task}_n{budget}_seq{self.a.seq_len}_d{self.a.data_seed}{ends}.pt"
             if f.exists():
                 self.lenses[key] = torch.load(f)
@@ -123,7 +131,7 @@ class Study:
                 mbs = Q.batches(data["train"][:budget], range(budget), s.micro_batch, s.seq_len, s.pad_id)
                 # on the fp32 base, also for a quantized one: zl-export fits the lens before it quantizes
                 fp32 = self.base if self.a.base_weights == "fp32" else Q.load_base(Path(self.a.cache))[0]
-                self.lenses[key] = Q.fit_lenses(fp32, mbs, log=self.log)
+                self.lenses[key] = Q.fit_lenses(fp32, mbs, log=self.log, extra=extra)
                 f.parent.mkdir(parents=True, exist_ok=True)
                 torch.save(self.lenses[key], f)
         return self.lenses[key]
@@ -170,7 +178,8 @@ class Study:
         (data, label_ids), s = self.task_data(task), self.settings(epochs, targets)
         d = dict(data, train=data["train"][:budget], train_rows=data["train_rows"][:budget])
         d[split] = data[split]
-        lenses = self.task_lenses(task, budget) if method.endswith("-lens") or method == PIPELINE else None
+        lenses = (self.task_lenses(task, budget, Q.tail_lens_boundaries(method))
+                  if method.endswith("-lens") or method == PIPELINE else None)
         curve_mbs = None
         if split == "test" and self.a.curve_every:
             curve_mbs = Q.batches(data["validation"], range(min(self.a.curve_val, len(data["validation"]))),
@@ -246,7 +255,9 @@ class Study:
         return min(scores, key=scores.get)
 
     def swept_lr(self, task, method):
-        """The fp32 one-epoch sweep's choice, which must have finished (runs without a sweep of their own)."""
+        """The fp32 one-epoch sweep's choice, which must have finished (runs without a sweep of their own);
+        a tail:D method's is the default's (issue 49: the depth curve at the default's swept LR)."""
+        method = PIPELINE_TWIN if Q.tail_depth(method) is not None else method
         lr = self.chosen_lr(task, method, run=False, swept_at_one_epoch=True)
         if lr is None:
             sys.exit(f"bench/quality_study.py: the fp32 one-epoch sweep of {method} on {task} is unfinished; "
@@ -257,7 +268,7 @@ class Study:
         a = self.a
         if a.methods == [PIPELINE]:
             return self.run_pipeline()
-        if a.base_weights != "fp32" or a.epochs != 1 or a.chunks != Q.DEFAULT_SPLIT:
+        if not sweeps(a):
             return self.run_at_swept_rates()
         for task in a.tasks:
             self.run_cell(task, "zero-shot", 0.0, 0, 0, "test", epochs=1, wait=False)
@@ -289,8 +300,9 @@ class Study:
         self.log("plan finished (real pipeline)")
 
     def run_at_swept_rates(self):
-        """A quantized base, more than one epoch, or another split, at the LRs the fp32 base's one-epoch
-        sweep on the default split chose (it must have finished): seeds x budgets, no sweep of their own."""
+        """A quantized base, more than one epoch, another split or a tail readout, at the LRs the fp32
+        base's one-epoch sweep on the default split chose (it must have finished): seeds x budgets on
+        --split, no sweep of their own."""
         a = self.a
         lrs = {}
         for task in a.tasks:
@@ -300,8 +312,14 @@ class Study:
             for seed in a.seeds:
                 for task in a.tasks:
                     for m in a.methods:
-                        self.run_cell(task, m, lrs[task, m], seed, budget, "test", wait=False)
-        self.log(f"plan finished ({a.base_weights} base, {a.epochs} epoch(s), chunks {a.chunks})")
+                        self.run_cell(task, m, lrs[task, m], seed, budget, a.split, wait=False)
+        self.log(f"plan finished ({a.base_weights} base, {a.epochs} epoch(s), chunks {a.chunks}, {a.split} split)")
+
+
+def sweeps(a) -> bool:
+    """Whether this run sweeps LRs: the fp32 base, one epoch, the default split, no tail readout."""
+    return (a.base_weights == "fp32" and a.epochs == 1 and PIPELINE not in a.methods and a.chunks == Q.DEFAULT_SPLIT
+            and not any(Q.tail_depth(m) is not None for m in a.methods))
 
 
 # ---------------------------------------------------------------- report
@@ -474,6 +492,8 @@ def main(argv=None) -> int:
                    help="the frozen base as zl-export --base-weights stores it (int8 / int4: at the fp32 sweep's LRs)")
     p.add_argument("--chunks", default=Q.DEFAULT_SPLIT,
                    help=f"ZeroLock's split of the {Q.LAYERS} layers (another split: at the default's swept LRs)")
+    p.add_argument("--split", default="test", choices=("test", "validation"),
+                   help="the split runs without a sweep evaluate on (issue 49's depth curve: validation)")
     p.add_argument("--val", type=int, default=128)
     p.add_argument("--test", type=int, default=400)
     p.add_argument("--curve-every", type=int, default=256)
@@ -512,8 +532,10 @@ def main(argv=None) -> int:
     a.lrs = [float(x) for x in a.lrs.split(",")]
     a.seeds = [int(x) for x in a.seeds.split(",")]
     a.budgets = [int(x) for x in a.budgets.split(",")]
-    sweeps = a.base_weights == "fp32" and a.epochs == 1 and PIPELINE not in a.methods and a.chunks == Q.DEFAULT_SPLIT
-    if sweeps and a.sweep_budget not in a.budgets:
+    if a.split != "test" and sweeps(a):
+        p.error("--split validation is for runs without a sweep (a tail readout, another split, ...): "
+                "the sweep's cells are the validation split's already")
+    if sweeps(a) and a.sweep_budget not in a.budgets:
         p.error(f"--sweep-budget {a.sweep_budget} is not one of --budgets {a.budgets}")
     if a.cmd == "report":
         report(a)
