@@ -28,6 +28,7 @@ emulated phones, at the fast twin's chosen LR, --seeds x --budgets.
   nice -n 19 python bench/quality_study.py run --tasks wordnet-reverse --methods zl-tailall --budgets 1024 \
       --seeds 0 --split validation &   # issue 49's depth curve, one tail:D at the default's LR
   python bench/quality_study.py report      # bench/results/quality_study.json, the plot, the markdown
+  python bench/quality_study.py depth --lrs 3e-4,1e-3,3e-3,1e-2 --notes F --doc   # issue 49's tail:D table
 """
 from __future__ import annotations
 
@@ -442,12 +443,12 @@ def header(runs, a) -> str:
             f"Plot: `bench/results/quality_study.png` (test metric vs training samples; validation metric vs LR).")
 
 
-def write_doc(text: str, doc: Path = Q.DOC) -> None:
+def write_doc(text: str, doc: Path = Q.DOC, subheading: str = SUBHEADING) -> None:
     """Replace (or add, at the end of the Quality section) only this study's sub-section."""
     lines = doc.read_text().splitlines(keepends=True)
-    body = SUBHEADING + "\n\n" + text.rstrip("\n") + "\n\n"
+    body = subheading + "\n\n" + text.rstrip("\n") + "\n\n"
     try:
-        start = next(i for i, ln in enumerate(lines) if ln.rstrip() == SUBHEADING)
+        start = next(i for i, ln in enumerate(lines) if ln.rstrip() == subheading)
     except StopIteration:
         q = next((i for i, ln in enumerate(lines) if ln.rstrip() == Q.HEADING), None)
         if q is None:
@@ -459,6 +460,59 @@ def write_doc(text: str, doc: Path = Q.DOC) -> None:
     end = next((j for j in range(start + 1, len(lines)) if lines[j].startswith(("## ", "### "))), len(lines))
     lines[start:end] = [body]
     doc.write_text("".join(lines))
+
+
+DEPTH_HEADING = "### Issue 49: the tail readout's depth (tail:D, bench/quality_study.py depth)"
+DEPTH_COMMAND = ("nice -n 19 python bench/quality_study.py run --tasks wordnet-reverse --methods M --budgets 1024 "
+                 "--seeds 0 --split validation --lrs 3e-4,1e-3,3e-3,1e-2")
+
+
+def depth_of(method):
+    """The tail:D label of a ZeroLock method with the default's alphas: 0 for the default (the lens)."""
+    if method == PIPELINE_TWIN:
+        return "0 (lens)"
+    d = Q.tail_depth(method)
+    return None if d is None else str(d)
+
+
+def depth_table(runs, lrs=()) -> str:
+    """Issue 49's depth curve: every tail:D cell, with the default (tail:0) and BP at their swept LRs on
+    the same task, budget, split and seed; exact match / choice accuracy, answer NLL, time."""
+    sweep = summarise(runs, lrs)
+    tails = [r for r in runs if Q.tail_depth(r["method"]) is not None]
+    where = {(r["task"], r["budget"], r["split"], r["seed"]) for r in tails}
+
+    def plain(r):
+        return (r.get("epochs", 1) == 1 and r.get("targets", "qv") == "qv" and r.get("base_weights", "fp32") == "fp32"
+                and r.get("chunks", Q.DEFAULT_SPLIT) == Q.DEFAULT_SPLIT)
+
+    rows = list(tails)
+    for r in runs:
+        if r["method"] in ("bp", PIPELINE_TWIN) and plain(r) and (r["task"], r["budget"], r["split"], r["seed"]) in where:
+            chosen = sweep.get(r["task"], {}).get("sweep", {}).get(f"{r['method']}|qv|e1", {}).get("chosen")
+            if r["lr"] == chosen:
+                rows.append(r)
+    order = {"bp": -1}
+    rows.sort(key=lambda r: (r["task"], r["budget"], r["split"], r["seed"], order.get(r["method"], 0),
+                             (lambda d: 99 if d == "all" else d)(Q.tail_depth(r["method"]) or 0)))
+    lines = ["| task | budget | split | seed | method | tail:D | LR | " + "exact match / choice acc. | answer NLL | "
+             "train s | wall s | load at end |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['task']} | {r['budget']} | {r['split']} | {r['seed']} | {r['method']} | "
+                     f"{depth_of(r['method']) or '- (backprop)'} | {r['lr']:g} | {metric(r, r['task']):.3f} | "
+                     f"{Q.final(r['eval'])['answer_nll']:.3f} | {r['train_seconds']:.0f} | "
+                     f"{r.get('wall_seconds', r['train_seconds']):.0f} | {r.get('load_average', '?').split()[0]} |")
+    return "\n".join(lines)
+
+
+def depth(a):
+    runs = load_cells(Path(a.cells))
+    text = depth_table(runs, a.lrs)
+    if a.notes:
+        text += "\n\n" + Path(a.notes).read_text()
+    print(text)
+    if a.doc:
+        write_doc(text, subheading=DEPTH_HEADING)
 
 
 def report(a):
@@ -478,7 +532,7 @@ def report(a):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("cmd", choices=("run", "report"))
+    p.add_argument("cmd", choices=("run", "report", "depth"))
     p.add_argument("--tasks", default=",".join(TASKS))
     p.add_argument("--methods", default="bp,zl-last1-lens")
     p.add_argument("--lrs", default="3e-3,1e-2,1e-3,3e-2,3e-4",
@@ -539,6 +593,9 @@ def main(argv=None) -> int:
         p.error(f"--sweep-budget {a.sweep_budget} is not one of --budgets {a.budgets}")
     if a.cmd == "report":
         report(a)
+        return 0
+    if a.cmd == "depth":
+        depth(a)
         return 0
     Study(a).run()
     return 0

@@ -341,3 +341,15 @@ def test_tail_readouts_train_at_the_defaults_swept_rate_on_the_split_asked(tmp_p
         "wordnet/zl-tail2-lens_qv_n1024_e1_lr0.003_s0_validation.json"
     with pytest.raises(SystemExit):  # a sweep's run has its validation cells already
         parse(["run", "--cells", str(tmp_path), "--split", "validation"])
+
+
+def test_the_depth_table_sets_each_tail_beside_the_default_and_bp_at_their_swept_rates():
+    runs = [fake_cell("wordnet", m, lr, "validation", nll, acc) for m, lr, nll, acc in
+            (("bp", 1e-3, 0.4, 0.9), ("bp", 3e-3, 0.5, 0.95), ("zl-last1-lens", 1e-3, 0.6, 0.7),
+             ("zl-last1-lens", 3e-3, 0.5, 0.75), ("zl-tailall", 3e-3, 0.45, 0.85), ("zl-tail2-lens", 3e-3, 0.55, 0.8))]
+    runs.append(fake_cell("wordnet", "zl-tailall", 3e-3, "test", 0.45, 0.85, budget=2048))  # no reference there
+    rows = [ln for ln in QS.depth_table(runs).splitlines()[2:]]
+    got = [(c[4], c[5], c[6], c[7]) for c in (ln.strip("| ").split(" | ") for ln in rows)]
+    assert got == [("bp", "- (backprop)", "0.001", "0.900"), ("zl-last1-lens", "0 (lens)", "0.003", "0.750"),
+                   ("zl-tail2-lens", "2", "0.003", "0.800"), ("zl-tailall", "all", "0.003", "0.850"),
+                   ("zl-tailall", "all", "0.003", "0.850")]
