@@ -91,11 +91,12 @@ def load_tokens(path: Path | None) -> dict[str, str]:
 
 
 def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfaces: str,
-            links=None) -> list[DeviceHandle]:
+            links=None, min_bytes: int = 0) -> list[DeviceHandle]:
     """--devices auto | NAME,NAME,...: wait (bounded) for enough phones, with known tokens.
 
     Phones on mDNS are used at their endpoint; phones on adb (named by serial) through ``links``
-    (host.adb_wiring.AdbLinks), which forwards their control port; without it they are skipped."""
+    (host.adb_wiring.AdbLinks), which forwards their control port; without it they are skipped.
+    `min_bytes`: auto leaves out phones advertising less memory (the smallest chunk's need)."""
     names = None if spec == "auto" else [n.strip() for n in spec.split(",") if n.strip()]
     deadline = time.time() + wait_s
 
@@ -129,7 +130,8 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
         else:
             shared = {r.name for r in pool if sum(name_key(o.name) == name_key(r.name) for o in pool) > 1}
             alike |= shared
-            chosen = [r for r in usable if r.name in tokens and r.name not in shared][:need]
+            chosen = [r for r in usable if r.name in tokens and r.name not in shared
+                      and not (min_bytes and r.memory_bytes and r.memory_bytes < min_bytes)][:need]
             if len(chosen) >= need and looks >= 2:  # a second look before choosing: no namesake missed
                 break
         if time.time() >= deadline:
@@ -148,11 +150,15 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                                             "prompt on the phone, then run again")
                 raise DeviceLookupError(f"unknown device(s) {', '.join(unknown)} after {wait_s:.0f} s (seen: {seen_names}); "
                                         "check the names with zl-host devices")
-            amb = f"; left out, named alike: {', '.join(sorted(alike))} (pick them with --devices ADDRESS:PORT,...)" \
-                if alike else ""
+            from .device_problems import problems  # each phone seen but not usable, and why: never a bare count
+            why = problems(seen, tokens, alike, PHONES_HOME, min_bytes)
+            looked = "; ".join(n for n in notes if not n.startswith("mDNS"))  # the last look's count is not all seen
+            chosen = [r for r in chosen if all(r is not bad for bad, _ in why)]  # a busy one is not usable
             raise DeviceLookupError(f"found {len(chosen)} usable device(s) of {need} needed within {wait_s:.0f} s "
-                                    f"(seen: {seen_names}; {'; '.join(notes)}{amb}): start more phones "
-                                    "(zl-host emulate N) or pass their tokens with --tokens")
+                                    f"({len(seen)} seen over mDNS on {interfaces} and adb; {looked})"
+                                    + "".join(f"\n  {line}" for _, line in why)
+                                    + "\nstart more phones (zl-host emulate N)"
+                                    + (" or fix the above" if why else "") + ", then run again")
         time.sleep(0.5)
 
     def token_of(r: Reachable) -> str | None:

@@ -107,6 +107,15 @@ class KotlinPhone(EmulatedPhone):
     runtime = "kotlin"
     advertises = False  # no mDNS responder of its own: ready once it listens
 
+    def start(self, timeout: float = 60.0) -> "KotlinPhone":
+        # the token kept in the work dir, where zl-phone keeps its own and `--devices auto` reads it
+        # (host/devices.py load_tokens); the app keeps it in its storage and shows it, the JVM phone prints it
+        from zl_mobile.phone import load_or_create_token
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        load_or_create_token(self.workdir, self.token)
+        return super().start(timeout)
+
     def command(self) -> list[str]:
         if self.net is not None:
             raise EmulatorError("Kotlin phones do not run in network namespaces yet (--link-mbit): use --runtime python")

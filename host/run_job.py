@@ -195,7 +195,9 @@ def _real(cfg: RunConfig, job: Job) -> Devices:
     adb = AdbLinks(data_port=cfg.adb_data_port, staging_dir=cfg.adb_staging,
                    on_event=lambda kind, data: events[-1](kind, data) if events else None)
     try:
-        handles = resolve_devices(job.devices, job.stages, load_tokens(cfg.tokens), cfg.wait, cfg.mdns, links=adb)
+        from .device_problems import min_chunk_bytes
+        handles = resolve_devices(job.devices, job.stages, load_tokens(cfg.tokens), cfg.wait, cfg.mdns, links=adb,
+                                  min_bytes=min_chunk_bytes(job.program, job.manifest))
     except DeviceLookupError as e:
         adb.close()
         raise CliError(str(e)) from None
