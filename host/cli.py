@@ -83,60 +83,14 @@ def cmd_run(a) -> int:
 
 # ---------------------------------------------------------------- eval
 def cmd_eval(a) -> int:
-    from exporter.errors import ModelDirError
-    from exporter.manifest import ManifestError, load_manifest
+    from .eval_command import run_eval
 
-    from .adapter import base_model_path
-    from .evaluate import split_held_out
-
-    program = Path(a.program)
-    try:
-        manifest = load_manifest(program, check_files=False)
-    except ManifestError as e:
-        raise CliError(str(e)) from None
     adapter = Path(a.adapter)
-    if not (adapter / "adapter_config.json").is_file():
-        raise CliError(f"{adapter} has no adapter_config.json: pass the adapter/ folder of a zl-host run")
-    try:
-        base = base_model_path(program, manifest)
-    except ModelDirError as e:
-        raise CliError(str(e)) from None
-    if base is None or not Path(base).exists():
-        raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
-    os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: a missing file is an error, not a download
-    from .adapter_check import AdapterError, base_weights_present, check_adapter
-    try:
-        base_weights_present(Path(base))
-        check_adapter(adapter, Path(base), manifest.get("lora"))
-    except AdapterError as e:
-        raise CliError(str(e)) from None
-    from .run_data import prepare_data
-
-    _, held_out = split_held_out(prepare_data(program, manifest, a.data, training=False))
-    base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
-    from .eval_progress import evaluate_both, working
-    before, after = evaluate_both(base, adapter, held_out, base_weights, console)
+    result = run_eval(Path(a.program), adapter, a.data, console, generate=a.generate, show=a.show,
+                      seed=a.seed if a.sample else None, max_new_tokens=a.max_new_tokens)
     from .tensorboard_log import eval_run_dir, write_eval
     if (run_dir := eval_run_dir(adapter)) is not None:  # next to the run's training curves in TensorBoard
-        write_eval(run_dir, before, after, _trained_micro_batches(run_dir))
-    print(f"held-out answer tokens: {after['tokens']} (base weights {base_weights}, as trained)")
-    print(f"base model:    NLL {before['nll']:.4f}  accuracy {before['accuracy']:.3f}")
-    print(f"with adapter:  NLL {after['nll']:.4f}  accuracy {after['accuracy']:.3f}")
-    if a.show:
-        from rich.table import Table
-        from transformers import AutoTokenizer
-
-        from .answers import side_by_side
-
-        tok = AutoTokenizer.from_pretrained(program / "tokenizer")
-        table = Table(title=f"{a.show} held-out prompts: the base model's answer and the adapter's (greedy)")
-        for col in ("prompt", "expected", "base model", "with adapter"):
-            table.add_column(col, overflow="fold")
-        with working(console, f"eval: greedy answers for {a.show} prompts, base model and adapter"):
-            rows = side_by_side(base, adapter, held_out, tok, a.show, base_weights)
-        for r in rows:
-            table.add_row(r["prompt"], r["expected"], r["base"], r["adapter"])
-        Console(soft_wrap=False).print(table)
+        write_eval(run_dir, result["base"], result["adapter"], _trained_micro_batches(run_dir))
     return 0
 
 
@@ -194,6 +148,19 @@ def _non_negative(text: str) -> float:
     if v < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
     return v
+
+
+def add_generation_args(v) -> None:
+    """eval's (and finetune's) options for the generated answers."""
+    v.add_argument("--show", type=int, default=3, metavar="N",
+                   help="print N held-out prompts with the base model's and the adapter's answers (default %(default)s)")
+    v.add_argument("--generate", type=int, default=32, metavar="N",
+                   help="generate answers to N held-out questions and score them by exact match and token F1 "
+                        "(default %(default)s; 0: none)")
+    v.add_argument("--sample", action="store_true", help="sample the answers (T=0.7, top-p 0.95) instead of greedy")
+    v.add_argument("--seed", type=int, default=0, help="with --sample: the seed of the draws")
+    v.add_argument("--max-new-tokens", type=int, default=None,
+                   help="longest answer generated (default: the longest reference + 4 tokens)")
 
 
 def build_parser():
@@ -273,12 +240,13 @@ def build_parser():
     add_parsers(sub)
     from .export_run import add_parser as add_export_parser
     add_export_parser(sub)
-    v = sub.add_parser("eval", help="held-out accuracy and NLL with the trained adapter")
+    from .finetune import add_parser as add_finetune_parser
+    add_finetune_parser(sub, add_generation_args, _lrs, _fraction)
+    v = sub.add_parser("eval", help="held-out NLL, accuracy, and generated answers' exact match and F1 with the trained adapter")
     v.add_argument("--program", required=True)
     v.add_argument("--adapter", required=True)
     v.add_argument("--data", default=None)
-    v.add_argument("--show", type=int, default=0, metavar="N",
-                   help="also print N held-out prompts with the base model's and the adapter's answers")
+    add_generation_args(v)
     v.set_defaults(func=cmd_eval)
     return p
 
