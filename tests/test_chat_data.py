@@ -92,3 +92,21 @@ def test_a_malformed_chat_row_is_one_line_naming_file_and_row(tmp_path, row, pro
         load_examples(path)
     msg = str(e.value)
     assert msg.startswith(f"{path}: {problem}") and "\n" not in msg
+
+
+def test_wordnet_chat_conversations_train_on_the_word_only():
+    """The README's chat file: system, "What is the word for <gloss>?", the word; the loss sees the word."""
+    from zl_common.data.wordnet_chat import SYSTEM, wordnet_chat
+    from zl_common.data.wordnet_reverse import reverse_splits
+
+    rows = wordnet_chat(50)
+    words = [ex["completion"].strip() for ex in reverse_splits()["train"][:50]]
+    assert [r["messages"][2]["content"] for r in rows] == words
+    for r in rows:
+        roles = [m["role"] for m in r["messages"]]
+        assert roles == ["system", "user", "assistant"] and r["messages"][0]["content"] == SYSTEM
+        assert r["messages"][1]["content"].startswith("What is the word for ")
+    tok = build_tiny_tokenizer()
+    for r, enc in zip(rows, encode_examples(rows, tok, 256)):
+        assert masked_text(tok, enc) == tok.decode(tok(r["messages"][2]["content"], add_special_tokens=False)
+                                                   ["input_ids"] + [tok.eos_token_id])
