@@ -1,7 +1,11 @@
 """Shared fixtures: a small Llama (3 layers) written as a HF directory and exported once per
-session in two chunks, so tests that need real programs share one export."""
+session in three chunks, so tests that need real programs share one export. The suite runs in
+pytest-xdist workers (scripts/test.sh): the costly session fixtures are built once for all
+workers (`shared_once`), and each test module stays on one worker (`pytest_collection_modifyitems`)."""
 from __future__ import annotations
 
+import os
+import pickle
 import warnings
 from pathlib import Path
 
@@ -12,6 +16,41 @@ warnings.filterwarnings("ignore", category=DeprecationWarning)
 SMALL_LAYERS = 3
 SMALL_DECODE_BLOCK = 6144  # weights decoded at once in the small int4 export: the MLP's 8,192 in 2 row blocks
 SMALL_CHUNKS = "0-0,1-1,2-2"  # three one-layer chunks: three emulated phones
+
+
+# Modules that use one machine-wide resource (the adb server on 5037, mDNS on loopback with fixed
+# names, cgroups, network namespaces): run on one worker, one after another, never beside each other.
+SERIAL_GROUP = {"test_adb", "test_adb_run", "test_netns", "test_cpu_budget"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Group tests by module for `--dist loadgroup`: a module's module-scoped fixtures are then built
+    once, and the modules in SERIAL_GROUP share one group."""
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        item.add_marker(pytest.mark.xdist_group("serial" if module in SERIAL_GROUP else module))
+
+
+def shared_once(tmp_path_factory, name: str, build):
+    """build(dir) run once per test session even across xdist workers: the first worker to ask builds
+    it in a directory every worker sees, under a file lock, and pickles its value; the others wait for
+    the lock and load that value. Without xdist it is a plain session cache."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the per-run directory all workers' base temps sit in
+    here = root / f"shared-{name}"
+    done = here / "value.pickle"
+    with FileLock(str(here) + ".lock"):
+        if done.exists():
+            return pickle.loads(done.read_bytes())
+        here.mkdir(exist_ok=True)
+        value = build(here)
+        part = here / "value.pickle.part"
+        part.write_bytes(pickle.dumps(value))
+        part.rename(done)  # a worker that dies mid-write leaves no half value for the others
+        return value
 
 
 def matmul_flops(ep) -> int:
@@ -47,7 +86,7 @@ def write_small_model_dir(path: Path, layers: int = SMALL_LAYERS) -> Path:
 
 @pytest.fixture(scope="session")
 def small_model_dir(tmp_path_factory) -> Path:
-    return write_small_model_dir(tmp_path_factory.mktemp("small_model"))
+    return shared_once(tmp_path_factory, "small_model", lambda d: write_small_model_dir(d / "model"))
 
 
 @pytest.fixture(scope="session")
@@ -56,21 +95,38 @@ def small_export(small_model_dir, tmp_path_factory):
     BP programs, and the frozen weights the eager backend reads)."""
     from exporter.export import export_model
 
-    cfg = small_export_config()
-    out = tmp_path_factory.mktemp("export") / "out"
-    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"),
-                                     eager_weights=True)
+    def build(d):
+        cfg = small_export_config()
+        manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, d / "out", cfg,
+                                           modes=("zerolock", "bp"), eager_weights=True)
+        return d / "out", manifest, artifacts, cfg
+
+    return shared_once(tmp_path_factory, "small_export", build)
+
+
+@pytest.fixture(scope="session")
+def small_export_tail(small_model_dir, tmp_path_factory):
+    """The small model in the same three chunks with --readout tail:1 (portable): chunk 0's tail
+    ends mid-model (a lens after layer 1), chunk 1's at the top (the final norm), chunk 2 has
+    none; with the eager backend's weights. (out_dir, manifest, artifacts, cfg)."""
+    from exporter.export import export_model
+
+    cfg = small_export_config(readout="tail:1")
+    out = tmp_path_factory.mktemp("export_tail") / "out"
+    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, eager_weights=True)
     return out, manifest, artifacts, cfg
 
 
 def _quantized_export(base_weights, small_model_dir, tmp_path_factory, **cfg_kw):
     from exporter.export import export_model
 
-    cfg = small_export_config(base_weights=base_weights, backend="xnnpack", **cfg_kw)
-    out = tmp_path_factory.mktemp(f"export_{base_weights}") / "out"
-    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, modes=("zerolock", "bp"),
-                                     eager_weights=True)
-    return out, manifest, artifacts, cfg
+    def build(d):
+        cfg = small_export_config(base_weights=base_weights, backend="xnnpack", **cfg_kw)
+        manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, d / "out", cfg,
+                                           modes=("zerolock", "bp"), eager_weights=True)
+        return d / "out", manifest, artifacts, cfg
+
+    return shared_once(tmp_path_factory, f"small_export_{base_weights}", build)
 
 
 @pytest.fixture(scope="session")
@@ -99,17 +155,20 @@ def small_model_dir_gguf_blocks(small_model_dir, tmp_path_factory) -> Path:
     from exporter.model_source import load_model_dir
     from exporter.tiny_tokenizer import build_tiny_tokenizer
 
-    out = tmp_path_factory.mktemp("small_model_gguf_blocks")
-    model = load_model_dir(small_model_dir)
-    with torch.no_grad():
-        for lin in model.model.layers[1].modules():
-            if isinstance(lin, torch.nn.Linear):
-                lin.weight.copy_(as_gguf_blocks(lin.weight, "Q4_1"))
-        for w in (model.model.embed_tokens.weight, model.lm_head.weight):
-            w.copy_(as_gguf_blocks(w, "Q8_0"))
-    model.save_pretrained(out)
-    build_tiny_tokenizer().save_pretrained(out)
-    return out
+    def build(d):
+        out = d / "model"
+        model = load_model_dir(small_model_dir)
+        with torch.no_grad():
+            for lin in model.model.layers[1].modules():
+                if isinstance(lin, torch.nn.Linear):
+                    lin.weight.copy_(as_gguf_blocks(lin.weight, "Q4_1"))
+            for w in (model.model.embed_tokens.weight, model.lm_head.weight):
+                w.copy_(as_gguf_blocks(w, "Q8_0"))
+        model.save_pretrained(out)
+        build_tiny_tokenizer().save_pretrained(out)
+        return out
+
+    return shared_once(tmp_path_factory, "small_model_gguf_blocks", build)
 
 
 @pytest.fixture(scope="session")
@@ -200,7 +259,7 @@ def write_gguf_llama(path: Path, layers: int = 2, tied: bool = True, seed: int =
 @pytest.fixture(scope="session")
 def gguf_llama(tmp_path_factory):
     """(path, model) of a 2-layer random Llama stored as GGUF (tied embeddings, BPE tokenizer)."""
-    return write_gguf_llama(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+    return shared_once(tmp_path_factory, "gguf_llama", lambda d: write_gguf_llama(d / "tiny-llama.gguf"))
 
 
 def cli_error_line(capsys) -> str:
