@@ -12,6 +12,7 @@ import math
 import re
 
 from .protocol import ErrorCode, ProtocolError
+from .protocol.quoting import quote_any
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
@@ -44,16 +45,16 @@ def _int_in(meta: dict, key: str, lo: int, hi: int, field: str | None = None, nu
         return
     v = meta[key]
     if not _int(v) or not lo <= v <= hi:
-        raise _reject(field or key, f"{v!r} must be an integer from {lo} to {hi}")
+        raise _reject(field or key, f"{quote_any(v)} must be an integer from {lo} to {hi}")
 
 
 def check_address(field: str, v) -> None:
     """`host:port`: an IPv4 address, a bracketed IPv6 one or a DNS name, and a port 1..65535."""
     if not isinstance(v, str):
-        raise _reject(field, f"{v!r} must be a \"host:port\" string")
+        raise _reject(field, f"{quote_any(v)} must be a \"host:port\" string")
     host, sep, port = v.rpartition(":")
     if not sep or not port.isdigit() or not port.isascii() or not 1 <= int(port) <= 65535:
-        raise _reject(field, f"{v!r} must be \"host:port\" with a port from 1 to 65535")
+        raise _reject(field, f"{quote_any(v)} must be \"host:port\" with a port from 1 to 65535")
     if host.startswith("[") and host.endswith("]"):
         try:
             ipaddress.IPv6Address(host[1:-1])
@@ -62,12 +63,12 @@ def check_address(field: str, v) -> None:
             pass
     elif HOSTNAME.match(host):
         return
-    raise _reject(field, f"{v!r}: {host!r} is not an IPv4 address, [IPv6] address or host name")
+    raise _reject(field, f"{quote_any(v)}: {quote_any(host)} is not an IPv4 address, [IPv6] address or host name")
 
 
 def check_run_id(v) -> None:
     if not isinstance(v, str) or not RUN_ID.match(v):
-        raise _reject("run_id", f"{v!r} must be a name of 1-128 letters, digits, '.', '_' or '-' not starting "
+        raise _reject("run_id", f"{quote_any(v)} must be a name of 1-128 letters, digits, '.', '_' or '-' not starting "
                                 "with '.' or '-' (it names a directory under the device's storage; no paths)")
 
 
@@ -90,23 +91,23 @@ def validate_assign(meta: dict) -> None:
     _int_in(meta, "replay_horizon", 1, MAX_HORIZON)
     _int_in(meta, "listen_port", 0, 65535)
     if "schedule" in meta and meta["schedule"] not in SCHEDULES:
-        raise _reject("schedule", f"{meta['schedule']!r} must be one of {', '.join(SCHEDULES)}")
+        raise _reject("schedule", f"{quote_any(meta['schedule'])} must be one of {', '.join(SCHEDULES)}")
     _check_config(meta.get("config") or {})
 
 
 def _check_config(c: dict) -> None:
     if "lr" in c and not (_number(c["lr"]) and 0 < c["lr"] <= 100):
-        raise _reject("config.lr", f"{c['lr']!r} must be a number above 0 and at most 100")
+        raise _reject("config.lr", f"{quote_any(c['lr'])} must be a number above 0 and at most 100")
     if "weight_decay" in c and not (_number(c["weight_decay"]) and 0 <= c["weight_decay"] <= 100):
-        raise _reject("config.weight_decay", f"{c['weight_decay']!r} must be a number from 0 to 100")
+        raise _reject("config.weight_decay", f"{quote_any(c['weight_decay'])} must be a number from 0 to 100")
     if c.get("alpha") is not None and not (_number(c["alpha"]) and 0 <= c["alpha"] <= 1):
-        raise _reject("config.alpha", f"{c['alpha']!r} must be a number from 0 to 1 (or null: the export's)")
+        raise _reject("config.alpha", f"{quote_any(c['alpha'])} must be a number from 0 to 1 (or null: the export's)")
     _int_in(c, "keep_checkpoints", 1, MAX_KEEP, "config.keep_checkpoints")
     _int_in(c, "total_micro_batches", 1, 1 << 53, "config.total_micro_batches", nullable=True)
     _int_in(c, "rollback_to_window", -1, 1 << 53, "config.rollback_to_window", nullable=True)
     _int_in(c, "busy_ms", 0, MAX_BUSY_MS, "config.busy_ms")
     if "restart" in c and not isinstance(c["restart"], bool):
-        raise _reject("config.restart", f"{c['restart']!r} must be true or false")
+        raise _reject("config.restart", f"{quote_any(c['restart'])} must be true or false")
     inject = c.get("inject_failure")
     if inject is None:
         return
@@ -118,6 +119,6 @@ def _check_config(c: dict) -> None:
                 or sp.get("point", "after-phase1") not in FAILURE_POINTS \
                 or ("seconds" in sp and not (_number(sp["seconds"]) and 0 <= sp["seconds"] <= 3600)) \
                 or sp.get("mode", "process") not in FAILURE_MODES or sp.get("detect", "connection") not in FAILURE_DETECTS:
-            raise _reject("config.inject_failure", f"{sp!r} must be {{window: uint (null for slow-phase1), point: one of "
+            raise _reject("config.inject_failure", f"{quote_any(sp)} must be {{window: uint (null for slow-phase1), point: one of "
                                                    f"{', '.join(FAILURE_POINTS)}, seconds: 0..3600, mode: "
                                                    f"{' or '.join(FAILURE_MODES)}, detect: {' or '.join(FAILURE_DETECTS)}}}")

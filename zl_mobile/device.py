@@ -22,6 +22,7 @@ from .connection import Connection
 from .file_receiver import FileReceiver, clear_incoming
 from .links import bind_listener
 from zl_common.program import ProgramError
+from .protocol.quoting import quote, quote_any
 from .protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError, error_reply,
                        device_handshake)
 from .stage import Stage, StageConfig
@@ -128,7 +129,7 @@ class Device:
         receiver = self.receiver = self._new_receiver()  # transfers belong to this session
         with self._lock:
             self._host = conn
-        log.info("%s: host %s connected", self.name, hs.host_name)
+        log.info("%s: host %s connected", self.name, quote(hs.host_name))
         threading.Thread(target=self._heartbeats, args=(conn,), daemon=True).start()
         try:
             while True:
@@ -139,22 +140,27 @@ class Device:
                     continue
                 receiver.sweep()  # counted from each transfer's last chunk, heartbeats or not
                 if msg.type == MsgType.ERROR:
-                    log.warning("%s: host error %s: %s", self.name, msg["code"], msg["message"])
+                    log.warning("%s: host error %s: %s", self.name, quote(msg["code"]), quote(msg["message"]))
                     if msg.get("request_id") is None:  # about the session, not a request: it ends (5.1)
                         break
                     continue
+                rid = msg.get("request_id") if isinstance(msg.get("request_id"), int) else None
                 try:
                     reply = self.handle(msg)
                 except ProtocolError as e:
                     log.warning("%s: %s", self.name, e)
-                    conn.try_send(error_reply(e, msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
+                    conn.try_send(error_reply(e, rid))
+                    if rid is None:  # an ERROR about no one request is about the session: its sender closes (5.1)
+                        break
                     continue
-                except Exception as e:  # a failure on this side: report it (INTERNAL), keep the session
+                except Exception as e:  # a failure on this side: report it (INTERNAL)
                     err = ProtocolError(ErrorCode.INTERNAL, f"{msg.type.name} failed on the device: "
                                                             f"{type(e).__name__}: {e}")
                     log.error("%s: %s", self.name, err)
                     log.debug("%s: %s failed", self.name, msg.type.name, exc_info=True)
-                    conn.try_send(error_reply(err, msg.get("request_id") if isinstance(msg.get("request_id"), int) else None))
+                    conn.try_send(error_reply(err, rid))
+                    if rid is None:  # as above: only an answer to one request keeps the session
+                        break
                     continue
                 if reply is not None and conn is not self._silent:
                     conn.send(reply)
@@ -253,19 +259,19 @@ class Device:
         for key in needed:  # names first: nothing outside the phone's storage is looked at, even to say so
             name = chunk.get(key)
             if not plain_file_name(name) or name not in sizes:
-                raise self._reject(msg, f"manifest.json names {str(name)[:80]!r} as chunk {k}'s {key}, which is not a "
+                raise self._reject(msg, f"manifest.json names {quote_any(name)} as chunk {k}'s {key}, which is not a "
                                         "plain file name listed in its files (no '/', '\\', '..'; files live in the "
                                         "phone's storage): push the export's own manifest.json")
         for key in needed:
             entry = sizes[chunk[key]]
             p = self.files / chunk[key]
             if not p.exists():
-                raise self._reject(msg, f"{chunk[key]} is not on this device: push it before assigning stage {k}")
+                raise self._reject(msg, f"{quote(chunk[key])} is not on this device: push it before assigning stage {k}")
             if self._cached_sha(p) != entry["sha256"]:
-                raise self._reject(msg, f"{chunk[key]} on this device does not match the manifest's sha256: push it again")
+                raise self._reject(msg, f"{quote(chunk[key])} on this device does not match the manifest's sha256: push it again")
         if sizes[chunk["program"]]["sha256"] != meta["program_sha256"]:
             raise self._reject(msg, f"program_sha256 in STAGE_ASSIGN is not chunk {k}'s program "
-                                    f"({chunk['program']}): assign the stage that matches the program")
+                                    f"({quote(chunk['program'])}): assign the stage that matches the program")
         if "upstream_token" not in meta:
             raise self._reject(msg, f"STAGE_ASSIGN for stage {k} lacks upstream_token: the stage needs the pairing "
                                     "token of its upstream link (section 6) to accept it")

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .protocol import ErrorCode, Message, MsgType, ProtocolError
+from .protocol.quoting import quote
 
 log = logging.getLogger("zl_mobile.files")
 MAX_OPEN = 8            # transfers open at once in one session; a host pushes them one by one
@@ -48,18 +49,18 @@ class FileReceiver:
             self._abandon(tid, f"transfer {tid} was restarted by a new FILE_BEGIN with the same id")
         for other, tr in list(self._open.items()):
             if tr["meta"]["name"] == name:
-                self._abandon(other, f"{name}: superseded by transfer {tid} to the same name; only the last "
+                self._abandon(other, f"{quote(name)}: superseded by transfer {tid} to the same name; only the last "
                                      "FILE_BEGIN for a name is kept")
         self.sweep()
         if len(self._open) >= self.max_open:
-            return self._result(tid, False, 0, None, f"{self.max_open} transfers are already open on this device; "
-                                                     "finish (FILE_END) one before starting another")
+            return self._refuse(tid, f"{self.max_open} transfers are already open on this device; "
+                                     "finish (FILE_END) one before starting another")
         part = self.incoming / f"{tid}-{secrets.token_hex(6)}.part"
         try:
             fh = open(part, "wb")
         except OSError as e:
-            return self._result(tid, False, 0, None, f"{name}: cannot store it on the device ({e.strerror or e}); "
-                                                     f"make room in {self.files} and push it again")
+            return self._refuse(tid, f"{quote(name)}: cannot store it on the device ({e.strerror or e}); "
+                                     f"make room in {self.files} and push it again")
         self._gone.pop(tid, None)
         self._open[tid] = {"meta": dict(msg.meta), "path": part, "fh": fh, "size": 0, "sha": hashlib.sha256(),
                            "ok": True, "why": "", "seen": self._clock()}
@@ -112,11 +113,11 @@ class FileReceiver:
         if ok:
             try:
                 os.replace(tr["path"], self.files / meta["name"])
-                log.info("%s: stored %s (%d bytes)", self.name, meta["name"], tr["size"])
+                log.info("%s: stored %s (%d bytes)", self.name, quote(meta["name"]), tr["size"])
             except OSError as e:
-                ok, why = False, f"{meta['name']}: storing it failed on the device ({e.strerror or e}); push it again"
+                ok, why = False, f"{quote(meta['name'])}: storing it failed on the device ({e.strerror or e}); push it again"
         else:
-            why = tr["why"] or (f"{meta['name']}: received {tr['size']} bytes with sha256 {digest[:12]}..., expected "
+            why = tr["why"] or (f"{quote(meta['name'])}: received {tr['size']} bytes with sha256 {digest[:12]}..., expected "
                                 f"{meta['size']} bytes with {meta['sha256'][:12]}...; the file was discarded, push it again")
         if not ok:
             tr["path"].unlink(missing_ok=True)
@@ -129,7 +130,7 @@ class FileReceiver:
         now = self._clock()
         for tid, tr in list(self._open.items()):
             if now - tr["seen"] > self.stale_after:
-                self._abandon(tid, f"{tr['meta']['name']}: no chunk for {self.stale_after:g} s, the transfer was dropped")
+                self._abandon(tid, f"{quote(tr['meta']['name'])}: no chunk for {self.stale_after:g} s, the transfer was dropped")
 
     def close(self) -> None:
         """The session ended: every open transfer is abandoned."""
@@ -141,6 +142,18 @@ class FileReceiver:
     def open_count(self) -> int:
         return len(self._open)
 
+    def _refuse(self, tid: int, why: str) -> Message:
+        """FILE_RESULT ok=false at once; the host's chunks already on their way are dropped and its
+        FILE_END answered with the same reason (unknown, they would end the session: 5.1)."""
+        self._forget(tid, why)
+        log.warning("%s: refused transfer %d: %s", self.name, tid, why)
+        return self._result(tid, False, 0, None, why)
+
+    def _forget(self, tid: int, why: str) -> None:
+        self._gone[tid] = why
+        while len(self._gone) > 64:
+            self._gone.popitem(last=False)
+
     def _abandon(self, tid: int, why: str) -> None:
         tr = self._open.pop(tid)
         try:
@@ -148,13 +161,11 @@ class FileReceiver:
         except OSError:
             pass
         tr["path"].unlink(missing_ok=True)
-        self._gone[tid] = why
-        while len(self._gone) > 64:
-            self._gone.popitem(last=False)
+        self._forget(tid, why)
         log.info("%s: abandoned transfer %d: %s", self.name, tid, why)
 
     def _write_failed(self, tr: dict, e: OSError) -> str:
-        return (f"{tr['meta']['name']}: writing it failed on the device after {tr['size']} bytes "
+        return (f"{quote(tr['meta']['name'])}: writing it failed on the device after {tr['size']} bytes "
                 f"({e.strerror or e}); make room in {self.files} and push it again")
 
     @staticmethod

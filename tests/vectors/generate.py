@@ -28,6 +28,8 @@ from zl_mobile.protocol.handshake import DEVICE_LABEL, HOST_LABEL  # noqa: E402
 from zl_mobile.protocol.tensors import as_wire_array, to_float_values  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
+# written by hand, not from frames: the quoting rule of PROTOCOL.md 7, which both phones run
+HAND_WRITTEN = {"quoting.json"}
 
 TOKEN = bytes(range(32))
 HOST_NONCE = hashlib.sha256(b"zerolock test host nonce").digest()
@@ -323,7 +325,7 @@ def build() -> dict[str, bytes]:
 def stale(files: dict[str, bytes]) -> list[str]:
     """Names whose committed content differs, plus committed vector files no longer generated."""
     out = [n for n, c in files.items() if not (HERE / n).is_file() or (HERE / n).read_bytes() != c]
-    on_disk = {p.name for p in HERE.iterdir() if p.suffix in (".bin", ".json")}
+    on_disk = {p.name for p in HERE.iterdir() if p.suffix in (".bin", ".json")} - HAND_WRITTEN
     return sorted(out + sorted(on_disk - files.keys()))
 
 
@@ -337,7 +339,7 @@ def main(argv: list[str]) -> int:
         print(f"{len(files)} vector files up to date")
         return 0
     for p in HERE.iterdir():
-        if p.suffix in (".bin", ".json") and p.name not in files:
+        if p.suffix in (".bin", ".json") and p.name not in files and p.name not in HAND_WRITTEN:
             p.unlink()
     for n, c in files.items():
         (HERE / n).write_bytes(c)

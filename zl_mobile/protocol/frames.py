@@ -12,6 +12,7 @@ import zlib
 from typing import Any, NamedTuple
 
 from .errors import ErrorCode, ProtocolError, human_bytes
+from .quoting import quote
 from .messages import INT64_MAX, INT64_MIN, Message, MsgType, validate
 from .tensors import as_wire_array, decode_record, encode_record
 
@@ -86,7 +87,7 @@ def _no_dupes(pairs):
     obj = {}
     for k, v in pairs:
         if k in obj:
-            raise ValueError(f"duplicate key {k!r}")
+            raise ValueError(f"duplicate key {quote(k)}")
         obj[k] = v
     return obj
 
@@ -197,7 +198,7 @@ def decode_body(msg_type: MsgType, body: bytes | bytearray | memoryview, body_cr
     for _ in range(count):
         name, arr, pos = decode_record(body, pos)
         if name in tensors:
-            raise ProtocolError(ErrorCode.MALFORMED, f"{msg_type.name} has two tensors named {name!r}")
+            raise ProtocolError(ErrorCode.MALFORMED, f"{msg_type.name} has two tensors named {quote(name)}")
         tensors[name] = arr
     if pos != n:
         raise ProtocolError(ErrorCode.MALFORMED,

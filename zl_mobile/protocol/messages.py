@@ -9,6 +9,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import ErrorCode, ProtocolError
+from .quoting import quote, quote_any
 from .tensors import as_wire_array
 
 
@@ -163,10 +164,10 @@ def _check_extra(msg: MsgType, meta: dict) -> None:
         name = meta["name"]
         nb = len(name.encode("utf-8", "surrogatepass"))
         if not 1 <= nb <= 255 or name in (".", "..") or any(c in name for c in "/\\\0"):
-            raise _bad(msg, f"file name {name!r} must be a plain file name (1..255 bytes, no '/', '\\', NUL, "
+            raise _bad(msg, f"file name {quote(name)} must be a plain file name (1..255 bytes, no '/', '\\', NUL, "
                             "not '.' or '..')")
         if meta["kind"] not in FILE_KINDS:
-            raise _bad(msg, f"kind {meta['kind']!r} must be one of {', '.join(FILE_KINDS)}")
+            raise _bad(msg, f"kind {quote_any(meta['kind'])} must be one of {', '.join(FILE_KINDS)}")
     elif msg == MsgType.STAGE_ASSIGN:
         if meta["stage"] >= meta["num_stages"]:
             raise _bad(msg, f"stage {meta['stage']} is not below num_stages {meta['num_stages']}")
@@ -178,7 +179,7 @@ def _check_extra(msg: MsgType, meta: dict) -> None:
             raise _bad(msg, f"from_micro_batch {meta['from_micro_batch']} > to_micro_batch {meta['to_micro_batch']}")
     elif msg in (MsgType.STATE_GET, MsgType.STATE_PUT):
         if meta["kind"] not in STATE_KINDS:
-            raise _bad(msg, f"kind {meta['kind']!r} must be one of {', '.join(STATE_KINDS)}")
+            raise _bad(msg, f"kind {quote_any(meta['kind'])} must be one of {', '.join(STATE_KINDS)}")
 
 
 def validate(msg_type: MsgType, meta: dict, tensors: dict[str, np.ndarray]) -> None:
@@ -190,10 +191,10 @@ def validate(msg_type: MsgType, meta: dict, tensors: dict[str, np.ndarray]) -> N
         if key not in meta:
             raise _bad(msg_type, f"lacks required field {key!r} ({kind})")
         if not _kind_ok(kind, meta[key]):
-            raise _bad(msg_type, f"field {key!r} must be {kind}, got {meta[key]!r:.60}")
+            raise _bad(msg_type, f"field {key!r} must be {kind}, got {quote_any(meta[key])}")
     for key, kind in optional.items():
         if key in meta and not _kind_ok(kind, meta[key]):
-            raise _bad(msg_type, f"field {key!r} must be {kind}, got {meta[key]!r:.60}")
+            raise _bad(msg_type, f"field {key!r} must be {kind}, got {quote_any(meta[key])}")
     n = len(tensors)
     if rule == "none" and n:
         raise _bad(msg_type, f"carries {n} tensors; it carries none")

@@ -6,6 +6,8 @@ phone renders it byte for byte the same (tests/vectors/quoting.json).
 """
 from __future__ import annotations
 
+import json
+
 QUOTE_MAX_CHARS = 64  # code points of the value shown; the rest is counted, not shown
 
 _SIMPLE = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -32,5 +34,9 @@ def quote(value: str) -> str:
 
 
 def quote_any(value: object) -> str:
-    """quote() for a value of any JSON type: strings as themselves, others by their Python repr."""
-    return quote(value if isinstance(value, str) else repr(value))
+    """A string as quote() shows it; any other JSON value as compact ASCII JSON (a number stays
+    unquoted, so it does not read as a string), cut after 64 characters as quote() cuts."""
+    if isinstance(value, str):
+        return quote(value)
+    text = json.dumps(value, ensure_ascii=True, separators=(",", ":"), default=repr)
+    return text if len(text) <= QUOTE_MAX_CHARS else f"{text[:QUOTE_MAX_CHARS]}...({len(text)} chars)"

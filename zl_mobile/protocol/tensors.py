@@ -13,6 +13,7 @@ import zlib
 import numpy as np
 
 from .errors import ErrorCode, ProtocolError
+from .quoting import quote_any
 
 MAX_NAME_BYTES = 1024
 MAX_NDIM = 8
@@ -95,26 +96,26 @@ def encode_record(name: str, value, offset: int) -> tuple[bytes, memoryview, int
     """Encode one tensor record that starts at body offset `offset`.
     Returns (record header incl. padding, data bytes view, offset after the record)."""
     if not isinstance(name, str):
-        raise ProtocolError(ErrorCode.MALFORMED, f"tensor name {name!r} is not a string")
+        raise ProtocolError(ErrorCode.MALFORMED, f"tensor name {quote_any(name)} is not a string")
     try:
         name_b = name.encode("utf-8")
     except UnicodeEncodeError:
-        raise ProtocolError(ErrorCode.MALFORMED, f"tensor name {name!r} is not valid Unicode") from None
+        raise ProtocolError(ErrorCode.MALFORMED, f"tensor name {quote_any(name)} is not valid Unicode") from None
     if not 1 <= len(name_b) <= MAX_NAME_BYTES:
         raise ProtocolError(ErrorCode.MALFORMED,
                             f"tensor name of {len(name_b)} bytes; names must be 1..{MAX_NAME_BYTES} UTF-8 bytes")
     code, arr = as_wire_array(value)
     if arr.ndim > MAX_NDIM:
-        raise ProtocolError(ErrorCode.MALFORMED, f"tensor {name!r} has {arr.ndim} dims; at most {MAX_NDIM}")
+        raise ProtocolError(ErrorCode.MALFORMED, f"tensor {quote_any(name)} has {arr.ndim} dims; at most {MAX_NDIM}")
     prod = 1
     for d in arr.shape:
         prod *= max(d, 1)
     if prod >= 1 << 32:
-        raise ProtocolError(ErrorCode.MALFORMED, f"tensor {name!r} shape {arr.shape}: product of non-zero dims >= 2**32")
+        raise ProtocolError(ErrorCode.MALFORMED, f"tensor {quote_any(name)} shape {arr.shape}: product of non-zero dims >= 2**32")
     data = memoryview(arr.reshape(-1).view(np.uint8))
     nbytes = data.nbytes
     if nbytes > 0xFFFFFFFF:
-        raise ProtocolError(ErrorCode.OVERSIZED, f"tensor {name!r} has {nbytes} bytes; split it below 4 GiB")
+        raise ProtocolError(ErrorCode.OVERSIZED, f"tensor {quote_any(name)} has {nbytes} bytes; split it below 4 GiB")
     head = (struct.pack("<H", len(name_b)) + name_b + struct.pack("<BB", code, arr.ndim)
             + struct.pack(f"<{arr.ndim}I", *arr.shape) + struct.pack("<II", nbytes, zlib.crc32(data)))
     pad = _pad(offset + len(head))
@@ -154,10 +155,10 @@ def decode_record(body: memoryview, pos: int) -> tuple[str, np.ndarray, int]:
     try:
         dtype = DType(code)
     except ValueError:
-        raise _malformed(f"tensor {name!r} has unknown dtype code {code}; "
+        raise _malformed(f"tensor {quote_any(name)} has unknown dtype code {code}; "
                          f"known codes are 1..{len(DType)}") from None
     if ndim > MAX_NDIM:
-        raise _malformed(f"tensor {name!r} has ndim {ndim}; at most {MAX_NDIM}")
+        raise _malformed(f"tensor {quote_any(name)} has ndim {ndim}; at most {MAX_NDIM}")
     s = take(4 * ndim, "dims")
     shape = struct.unpack_from(f"<{ndim}I", body, s)
     s = take(8, "nbytes/crc")
@@ -167,25 +168,25 @@ def decode_record(body: memoryview, pos: int) -> tuple[str, np.ndarray, int]:
         if d:
             prod *= d
             if prod >= 1 << 32:
-                raise _malformed(f"tensor {name!r} shape {list(shape)}: product of non-zero dims >= 2**32")
+                raise _malformed(f"tensor {quote_any(name)} shape {list(shape)}: product of non-zero dims >= 2**32")
     count = 0 if 0 in shape else prod
     if count * dtype.itemsize != nbytes:
-        raise _malformed(f"tensor {name!r}: nbytes {nbytes} != {count} elements x {dtype.itemsize} bytes "
+        raise _malformed(f"tensor {quote_any(name)}: nbytes {nbytes} != {count} elements x {dtype.itemsize} bytes "
                          f"for shape {list(shape)} {dtype.wire_name}")
     pad = _pad(pos)
     s = take(pad, "padding")
     if any(body[s:s + pad]):
-        raise _malformed(f"tensor {name!r} has non-zero padding bytes")
+        raise _malformed(f"tensor {quote_any(name)} has non-zero padding bytes")
     s = take(nbytes, "data")
     data = body[s:s + nbytes]
     if zlib.crc32(data) != crc:
         raise ProtocolError(ErrorCode.BAD_CHECKSUM,
-                            f"tensor {name!r} data CRC32 mismatch; the sender computed it over other bytes")
+                            f"tensor {quote_any(name)} data CRC32 mismatch; the sender computed it over other bytes")
     arr = np.frombuffer(body, dtype=_NUMPY[dtype] if dtype != DType.BOOL else np.uint8,
                         count=count, offset=s)
     if dtype == DType.BOOL:
         if count and int(arr.max()) > 1:
-            raise _malformed(f"bool tensor {name!r} holds a byte other than 0 or 1")
+            raise _malformed(f"bool tensor {quote_any(name)} holds a byte other than 0 or 1")
         arr = arr.view(np.bool_)
     arr = arr.reshape(shape)
     if dtype == DType.BFLOAT16:
