@@ -197,7 +197,7 @@ class Study:
                 self.log(msg.strip())
 
         self.log(f"start {name}")
-        t0 = time.time()
+        t0, c0 = time.time(), time.process_time()  # CPU time: what a cell costs, whatever the machine's load
         if method == PIPELINE:
             s.pipeline_export = str(self.pipeline_export(task, budget, seed, d["train"]))
             s.cache = str(Path(self.a.cache) / "pipeline_runs" / f"{task}_n{budget}")
@@ -208,7 +208,7 @@ class Study:
                                  lenses=lenses, log=log, extra_eval=extra)
         r.update(task=task, budget=budget, epochs=epochs, targets=targets, base_weights=self.a.base_weights,
                  chunks=trained_split(method, self.a.chunks),
-                 wall_seconds=time.time() - t0,
+                 wall_seconds=time.time() - t0, cpu_seconds=time.process_time() - c0,
                  load_average=" ".join(f"{x:.1f}" for x in os.getloadavg()))
         f = self.cells / name
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -475,18 +475,22 @@ def depth_of(method):
     return None if d is None else str(d)
 
 
-def depth_table(runs, lrs=()) -> str:
+def depth_table(runs, lrs=(), planned=()) -> str:
     """Issue 49's depth curve: every tail:D cell, with the default (tail:0) and BP at their swept LRs on
-    the same task, budget, split and seed; exact match / choice accuracy, answer NLL, time."""
+    the same task, budget, split and seed; exact match / choice accuracy, answer NLL, time. `planned`:
+    (task, method, budget, split, seed) cells to list as not finished while they are missing."""
     sweep = summarise(runs, lrs)
     tails = [r for r in runs if Q.tail_depth(r["method"]) is not None]
-    where = {(r["task"], r["budget"], r["split"], r["seed"]) for r in tails}
+    where = {(r["task"], r["budget"], r["split"], r["seed"]) for r in tails} | {(t, b, sp, s) for t, _, b, sp, s in planned}
 
     def plain(r):
         return (r.get("epochs", 1) == 1 and r.get("targets", "qv") == "qv" and r.get("base_weights", "fp32") == "fp32"
                 and r.get("chunks", Q.DEFAULT_SPLIT) == Q.DEFAULT_SPLIT)
 
     rows = list(tails)
+    have = {(r["task"], r["method"], r["budget"], r["split"], r["seed"]) for r in tails}
+    rows += [{"task": t, "method": m, "budget": b, "split": sp, "seed": s, "missing": True}
+             for t, m, b, sp, s in planned if (t, m, b, sp, s) not in have]
     for r in runs:
         if r["method"] in ("bp", PIPELINE_TWIN) and plain(r) and (r["task"], r["budget"], r["split"], r["seed"]) in where:
             chosen = sweep.get(r["task"], {}).get("sweep", {}).get(f"{r['method']}|qv|e1", {}).get("chosen")
@@ -496,18 +500,26 @@ def depth_table(runs, lrs=()) -> str:
     rows.sort(key=lambda r: (r["task"], r["budget"], r["split"], r["seed"], order.get(r["method"], 0),
                              (lambda d: 99 if d == "all" else d)(Q.tail_depth(r["method"]) or 0)))
     lines = ["| task | budget | split | seed | method | tail:D | LR | " + "exact match / choice acc. | answer NLL | "
-             "train s | wall s | load at end |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "train s | wall s (CPU s) | load at end |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r.get("missing"):
+            lines.append(f"| {r['task']} | {r['budget']} | {r['split']} | {r['seed']} | {r['method']} | "
+                         f"{depth_of(r['method'])} | - | not finished | - | - | - | - |")
+            continue
         lines.append(f"| {r['task']} | {r['budget']} | {r['split']} | {r['seed']} | {r['method']} | "
                      f"{depth_of(r['method']) or '- (backprop)'} | {r['lr']:g} | {metric(r, r['task']):.3f} | "
                      f"{Q.final(r['eval'])['answer_nll']:.3f} | {r['train_seconds']:.0f} | "
-                     f"{r.get('wall_seconds', r['train_seconds']):.0f} | {r.get('load_average', '?').split()[0]} |")
+                     f"{r.get('wall_seconds', r['train_seconds']):.0f}"
+                     + (f" ({r['cpu_seconds']:.0f})" if r.get("cpu_seconds") is not None else "")
+                     + f" | {r.get('load_average', '?').split()[0]} |")
     return "\n".join(lines)
 
 
 def depth(a):
     runs = load_cells(Path(a.cells))
-    text = depth_table(runs, a.lrs)
+    planned = [(t, m, b, a.split, s) for t in a.tasks for m in a.methods if Q.tail_depth(m) is not None
+               for b in a.budgets for s in a.seeds]
+    text = depth_table(runs, a.lrs, planned)
     if a.notes:
         text += "\n\n" + Path(a.notes).read_text()
     print(text)
