@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zl_mobile.links import NO_END, InboundLink, InboundQueue, OutboundLink, unusable_reason
+from zl_mobile.links import LINK_MAX_CONNECTIONS, NO_END, InboundLink, InboundQueue, OutboundLink, unusable_reason
 from zl_mobile.protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError, host_handshake,
                                 new_token, recv_message, send_message, device_handshake)
 
@@ -127,7 +127,7 @@ def test_outbound_link(scenario):
             elif op == "credit":
                 down.send(Message(MsgType.CREDIT, {"credits": step["n"]}))
             elif op == "committed":
-                down.send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": step["window"], "step": step["window"] + 1,
+                down.send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": step["window"], "step": min(step["window"] + 1, 2**63 - 1),
                                                                  "sha256": "0" * 64}))
             else:
                 pytest.fail(f"unknown step in {where}")
@@ -286,3 +286,65 @@ def test_inbound_queue_steps():
 
 def test_no_end_is_the_protocols():
     assert NO_END == VECTORS["no_end"] == 2**53
+
+
+def test_the_data_port_cap_is_the_vectors():
+    assert LINK_MAX_CONNECTIONS == VECTORS["max_connections"]
+
+
+def _held(socks: list[socket.socket], closed: set[int], want: int) -> int:
+    """How many of `socks` the link still holds open, once `want` of them are (or 3 s have passed),
+    with 0.3 s more for any late close: a closed one reads EOF (or a reset)."""
+    def probe() -> None:
+        for i, s in enumerate(socks):
+            if i in closed:
+                continue
+            s.settimeout(0.0)
+            try:
+                if s.recv(1) == b"":
+                    closed.add(i)
+            except (BlockingIOError, InterruptedError):
+                pass
+            except OSError:
+                closed.add(i)
+    end = time.time() + 3.0
+    while True:
+        probe()
+        if len(socks) - len(closed) <= want or time.time() > end:
+            break
+        time.sleep(0.02)
+    time.sleep(0.3)
+    probe()
+    return len(socks) - len(closed)
+
+
+@pytest.mark.parametrize("scenario", VECTORS["inbound"]["connections"], ids=[s["name"] for s in VECTORS["inbound"]["connections"]])
+def test_inbound_link_connection_cap(scenario):
+    """PROTOCOL.md 6 on the real InboundLink: its data port holds at most max_connections; at the cap
+    the oldest unauthenticated connection gives way, so idle sockets never keep the upstream out."""
+    token = new_token()
+    queue = InboundQueue()
+    link = InboundLink(scenario["link"], token, queue, inflight_depth=2, port=0, bind="127.0.0.1",
+                       next_needed=lambda: queue.next_after(0), max_connections=scenario["max_connections"])
+    idle: list[socket.socket] = []
+    closed: set[int] = set()
+    up: Upstream | None = None
+    try:
+        for i, step in enumerate(scenario["steps"]):
+            where = f"{scenario['name']}, step {i} {step}"
+            if step["do"] == "idle":
+                for _ in range(step["n"]):
+                    idle.append(socket.create_connection(("127.0.0.1", link.port), timeout=TIMEOUT))
+            elif step["do"] == "connect":
+                up = Upstream(link.port, token)
+            else:
+                pytest.fail(f"unknown step in {where}")
+            assert _held(idle, closed, step["held"]) == step["held"], where
+        if up is not None:  # the authenticated upstream was never the one to give way
+            assert up.credit() == 2
+    finally:
+        for s in idle:
+            s.close()
+        if up is not None:
+            up.sock.close()
+        link.close()

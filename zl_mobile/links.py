@@ -32,6 +32,7 @@ log = logging.getLogger("zl_mobile.links")
 NO_END = 2**53  # "to the end" in REPLAY_REQUEST
 HANDSHAKE_TIMEOUT_S = 10.0  # PROTOCOL.md 6: a link that does not authenticate in time is closed
 STALL_S = 10.0  # PROTOCOL.md 6: a frame begun with no byte for this long is a stall (TIMEOUT)
+LINK_MAX_CONNECTIONS = 64  # PROTOCOL.md 6: a data port's open connections, as the host port's default
 
 
 def bind_listener(bind: str, port: int) -> socket.socket:
@@ -448,8 +449,12 @@ class InboundLink:
     def __init__(self, name: str, token: str, queue: InboundQueue, *, inflight_depth: int,
                  next_needed, port: int = 0, bind: str = "0.0.0.0", delay: DelayLine | None = None,
                  listener: socket.socket | None = None, max_frame: int = DEFAULT_MAX_FRAME,
-                 stall_s: float | None = STALL_S, unusable=None):
+                 stall_s: float | None = STALL_S, unusable=None, max_connections: int = LINK_MAX_CONNECTIONS):
         self.name = name
+        # PROTOCOL.md 6: at most max_connections open at once; at the cap the oldest connection that
+        # has not authenticated gives way (idle sockets cannot keep the upstream out)
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._unauthenticated: dict[int, socket.socket] = {}  # insertion order: oldest first
         self.max_frame, self.stall_s = max_frame, stall_s
         # unusable(msg) -> why a HIDDEN_STATE cannot be used by the stage (None: it can)
         self.unusable = unusable or (lambda msg: None)
@@ -483,7 +488,32 @@ class InboundLink:
             if self._stop:
                 sock.close()
                 return
-            threading.Thread(target=self._serve, args=(sock,), daemon=True).start()
+            if not self._slots.acquire(blocking=False) and not (self._evict_unauthenticated()
+                                                                and self._slots.acquire(timeout=2.0)):
+                sock.close()
+                continue
+            with self._lock:
+                self._unauthenticated[id(sock)] = sock
+            threading.Thread(target=self._serve_slot, args=(sock,), daemon=True).start()
+
+    def _evict_unauthenticated(self) -> bool:
+        with self._lock:
+            if not self._unauthenticated:
+                return False
+            victim = self._unauthenticated.pop(next(iter(self._unauthenticated)))
+        try:
+            victim.shutdown(socket.SHUT_RDWR)  # wakes its handshake, which then fails and frees the slot
+        except OSError:
+            pass
+        return True
+
+    def _serve_slot(self, sock: socket.socket) -> None:
+        try:
+            self._serve(sock)
+        finally:
+            with self._lock:
+                self._unauthenticated.pop(id(sock), None)
+            self._slots.release()
 
     def _serve(self, sock: socket.socket) -> None:
         hello = Message(MsgType.HELLO, {"name": self.name, "protocol_version": 1, "runtime_version": "zl_mobile",
@@ -495,6 +525,8 @@ class InboundLink:
             log.warning("%s: refused an upstream link: %s", self.name, e)
             sock.close()
             return
+        with self._lock:
+            self._unauthenticated.pop(id(sock), None)
         # BP gradients go back upstream on this socket; frames are bounded by what the chunk needs,
         # and a frame begun and then left for stall_s is a TIMEOUT (PROTOCOL.md 6)
         conn = Connection(tune_link_socket(sock), max_frame=self.max_frame, stall_s=self.stall_s)

@@ -21,6 +21,9 @@ object LinkRules {
     const val NO_END: Long = 1L shl 53
     /** PROTOCOL.md 6: a frame begun on a link with no byte for this long is a stall (TIMEOUT). */
     const val STALL_MS: Int = 10_000
+    /** PROTOCOL.md 6: a stage's data port holds at most this many connections at once, authenticated
+     *  or not (zl_mobile.links.LINK_MAX_CONNECTIONS, the host port's default too). */
+    const val MAX_CONNECTIONS: Int = 64
 
     /** Python's message (zl_mobile.links.replay_unavailable_message), word for word: the host shows it. */
     fun replayUnavailableMessage(from: Long, to: Long, linkName: String, heldFrom: Long): String =
@@ -29,9 +32,12 @@ object LinkRules {
             "so its checkpoint or the upstream's replay files were lost: restore that stage's work dir " +
             "or start a new run"
 
-    /** Python's message (zl_mobile.links.commit_beyond_sent_message), word for word. */
-    fun commitBeyondSentMessage(window: Long, end: Long, usableBelow: Long, linkName: String): String =
-        "CHECKPOINT_COMMITTED window $window covers micro-batches up to ${end - 1}, but $linkName has sent " +
+    /** Python's message (zl_mobile.links.commit_beyond_sent_message), word for word: the last
+     *  micro-batch of [window] is written exactly (Python's integers do not wrap), even past 2^63. */
+    fun commitBeyondSentMessage(window: Long, windowSize: Int, usableBelow: Long, linkName: String): String =
+        "CHECKPOINT_COMMITTED window $window covers micro-batches up to " +
+            "${java.math.BigInteger.valueOf(window).add(java.math.BigInteger.ONE).multiply(java.math.BigInteger.valueOf(windowSize.toLong())).subtract(java.math.BigInteger.ONE)}, " +
+            "but $linkName has sent " +
             "only those below $usableBelow on this link: a downstream cannot commit what it never received; " +
             "nothing was pruned (fix the downstream's commit bookkeeping)"
 
@@ -39,6 +45,14 @@ object LinkRules {
     fun noCreditMessage(mb: Long, linkName: String): String =
         "HIDDEN_STATE for micro-batch $mb on $linkName with no credit left: an upstream sends one frame per " +
             "credit granted (PROTOCOL.md 5.4.1); it was not kept"
+
+    /** The first micro-batch after [window]: `(window + 1) * windowSize`, saturated at Long.MAX_VALUE
+     *  (PROTOCOL.md 5.4: a peer may send any window up to 2^63-1; a wrapped end would pass every check). */
+    fun windowEnd(window: Long, windowSize: Int): Long =
+        if (window > Long.MAX_VALUE / windowSize - 1) Long.MAX_VALUE else (window + 1) * windowSize
+
+    /** Credits added without wrapping: a downstream may grant up to 2^63-1 at a time (PROTOCOL.md 5.4). */
+    fun addCredits(credits: Long, n: Long): Long = if (n > Long.MAX_VALUE - credits) Long.MAX_VALUE else credits + n
 
     /** The largest frame a stage link needs (PROTOCOL.md 2.1), as zl_mobile.links.link_frame_limit:
      *  [dataElements] elements of at most 8 bytes, twice over for what travels with them, a full
@@ -145,15 +159,15 @@ class OutboundLinkState<T>(
 
     fun onCredit(n: Long) {
         require(n >= 1) { "credits must be >= 1" }
-        credits += n
+        credits = LinkRules.addCredits(credits, n)
     }
 
     /** CHECKPOINT_COMMITTED: prunes, or returns the error text (nothing pruned) when the window
      *  ends past what the downstream can have received on this connection ([usableBelow]). With
      *  [checkSent] false (the host's feed, which holds nothing) it is never refused. */
     fun onCommitted(window: Long, checkSent: Boolean = pruneOnCommit): String? {
-        val end = (window + 1) * windowSize
-        if (checkSent && end > (usableBelow ?: 0)) return LinkRules.commitBeyondSentMessage(window, end, usableBelow ?: 0, name)
+        val end = LinkRules.windowEnd(window, windowSize)
+        if (checkSent && end > (usableBelow ?: 0)) return LinkRules.commitBeyondSentMessage(window, windowSize, usableBelow ?: 0, name)
         downstreamCommitted = maxOf(downstreamCommitted, window)
         if (!pruneOnCommit) return null
         buffer.headMap(end, false).clear()

@@ -36,6 +36,65 @@ class LinkRulesVectorsTest {
     @Test
     fun `NO_END matches the vectors`() = assertEquals(v.long("no_end"), LinkRules.NO_END)
 
+    @Test
+    fun `the data port cap matches the vectors`() = assertEquals(v.long("max_connections"), LinkRules.MAX_CONNECTIONS.toLong())
+
+    /** How many of [socks] the link still holds open, once [want] are (or 3 s have passed), with
+     *  0.3 s more for a late close: a closed one reads end-of-stream (or a reset). */
+    private fun held(socks: List<Socket>, closed: MutableSet<Int>, want: Int): Int {
+        fun probe() {
+            for ((i, s) in socks.withIndex()) {
+                if (i in closed) continue
+                s.soTimeout = 1
+                try { if (s.getInputStream().read() < 0) closed += i } catch (_: SocketTimeoutException) {} catch (_: java.io.IOException) { closed += i }
+            }
+        }
+        val end = System.currentTimeMillis() + 3000
+        while (true) {
+            probe()
+            if (socks.size - closed.size <= want || System.currentTimeMillis() > end) break
+            Thread.sleep(20)
+        }
+        Thread.sleep(300)
+        probe()
+        return socks.size - closed.size
+    }
+
+    /** PROTOCOL.md 6 on the real device.InboundLink: its data port holds at most max_connections; at
+     *  the cap the oldest unauthenticated connection gives way, so idle sockets never keep the upstream out. */
+    @Suppress("UNCHECKED_CAST")
+    @TestFactory
+    fun `inbound connection cap`(): List<DynamicTest> = ((v["inbound"].asObject())["connections"] as List<Any?>).map { sc ->
+        val s = sc.asObject()
+        DynamicTest.dynamicTest(s.str("name")) {
+            val token = Handshake.newToken()
+            val queue = InboundQueue<Message>()
+            val link = InboundLink(s.str("link"), token, queue, 2, nextNeeded = { queue.nextAfter(0) },
+                bind = InetAddress.getLoopbackAddress(), maxConnections = s.long("max_connections").toInt())
+            val idle = mutableListOf<Socket>()
+            val closed = HashSet<Int>()
+            var up: Upstream? = null
+            try {
+                for ((i, st) in (s["steps"] as List<Any?>).withIndex()) {
+                    val step = st.asObject()
+                    val where = "${s.str("name")}, step $i $step"
+                    when (step.str("do")) {
+                        "idle" -> repeat(step.long("n").toInt()) { idle += Socket(InetAddress.getLoopbackAddress(), link.port) }
+                        "connect" -> up = Upstream(link.port, token)
+                        else -> error("unknown step in $where")
+                    }
+                    val want = step.long("held").toInt()
+                    assertEquals(want, held(idle, closed, want), where)
+                }
+                up?.let { assertEquals(2L, it.credit(), "the authenticated upstream was never the one to give way") }
+            } finally {
+                idle.forEach { it.close() }
+                up?.close()
+                link.close()
+            }
+        }
+    }
+
     @Suppress("UNCHECKED_CAST")
     @TestFactory
     fun `outbound scenarios`(): List<DynamicTest> = (v["outbound"] as List<Any?>).map { sc ->

@@ -13,6 +13,7 @@ import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.Messages
 import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.Quote
 import org.zerolock.core.protocol.RateLimiter
 import org.zerolock.core.protocol.deviceHandshake
 import org.zerolock.core.protocol.hostHandshake
@@ -207,9 +208,9 @@ class OutboundLink(
                             // a commit past what was sent on this link is a lie: ERROR, nothing pruned
                             state.onCommitted(m.long("window"))?.let { throw ProtocolException(ErrorCode.UNEXPECTED, it) }
                             committed = m.meta
-                            store?.dropBelow((m.long("window") + 1) * state.windowSize)
+                            store?.dropBelow(LinkRules.windowEnd(m.long("window"), state.windowSize))
                         }
-                        MsgType.ERROR -> log("$name: downstream error ${m.string("code")}: ${m.string("message")}")
+                        MsgType.ERROR -> log("$name: downstream error ${Quote.quote(m.string("code"))}: ${Quote.quote(m.string("message"))}")
                         else -> log("$name: ignored ${m.type} from downstream")
                     }
                     lock.notifyAll()
@@ -282,8 +283,13 @@ class InboundLink(
     private val unusable: (Message) -> String? = { null },
     /** Hidden states are queued this much after they arrived (--link-delay-ms); null: at once. */
     private val delay: DelayLine? = null,
+    /** PROTOCOL.md 6: connections open at once on this port; at the cap the oldest unauthenticated gives way. */
+    private val maxConnections: Int = LinkRules.MAX_CONNECTIONS,
 ) : AutoCloseable {
     private val auth = DeviceAuth(token, name)
+    private val slots = java.util.concurrent.Semaphore(maxConnections)
+    /** Connections not yet authenticated, oldest first (as DeviceServer's). */
+    private val unauthenticated = LinkedHashMap<Socket, Unit>()
     private val server = listener ?: bindListener(bind, port)
     private val creditLock = Object()
     /** HIDDEN_STATE frames the current upstream may still send (5.4.1: the downstream enforces its credits). */
@@ -296,10 +302,39 @@ class InboundLink(
 
     private val acceptThread = Thread({
         while (!server.isClosed) {
-            val c = try { server.accept() } catch (_: IOException) { break }
-            Thread({ serve(c) }, "zl-in-$name").also { it.isDaemon = true; it.start() }
+            val c = try { server.accept() } catch (_: IOException) {
+                if (server.isClosed) break
+                Thread.sleep(50) // out of descriptors (EMFILE): the peer stays queued; do not spin
+                continue
+            }
+            // at the cap the oldest connection that has not authenticated gives way, so idle sockets
+            // cannot keep the upstream out; with none to evict the new one is closed (PROTOCOL.md 6)
+            if (!slots.tryAcquire() && !(evictUnauthenticated() && slots.tryAcquire(2, java.util.concurrent.TimeUnit.SECONDS))) {
+                closeQuietly(c)
+                continue
+            }
+            synchronized(unauthenticated) { unauthenticated[c] = Unit }
+            try {
+                Thread({ try { serve(c) } finally { synchronized(unauthenticated) { unauthenticated.remove(c) }; slots.release() } },
+                    "zl-in-$name").also { it.isDaemon = true; it.start() }
+            } catch (e: OutOfMemoryError) { // no thread to be had
+                synchronized(unauthenticated) { unauthenticated.remove(c) }
+                slots.release()
+                closeQuietly(c)
+            }
         }
     }, "zl-in-accept-$name").also { it.isDaemon = true; it.start() }
+
+    private fun evictUnauthenticated(): Boolean {
+        val victim = synchronized(unauthenticated) {
+            val it = unauthenticated.keys.iterator()
+            if (!it.hasNext()) return false
+            it.next().also { _ -> it.remove() }
+        }
+        try { victim.shutdownInput() } catch (_: IOException) {}
+        closeQuietly(victim)
+        return true
+    }
 
     private fun serve(sock: Socket) = sock.use { c ->
         c.tcpNoDelay = true
@@ -312,6 +347,7 @@ class InboundLink(
             log("$name: refused an upstream link: ${e.message}")
             return@use
         }
+        synchronized(unauthenticated) { unauthenticated.remove(c) }
         c.soTimeout = stallMs
         r.maxFrame = maxFrame
         synchronized(creditLock) { credits = 0; writer = w; current = c }
