@@ -7,9 +7,11 @@ import org.junit.jupiter.api.Assertions.assertTrue
 import org.junit.jupiter.api.Test
 import org.junit.jupiter.api.io.TempDir
 import org.zerolock.core.device.FileReceiver
+import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.Handshake
 import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.MsgType
+import org.zerolock.core.protocol.ProtocolException
 import org.zerolock.core.protocol.Tensor
 import java.io.File
 import java.io.FileOutputStream
@@ -47,7 +49,7 @@ class FileReceiverTest {
         replies.dropLast(1).forEach { assertNull(it, "chunks are not answered; FILE_END reports the first failure") }
         val end = replies.last()!!
         assertEquals(false, end.bool("ok"))
-        assertEquals("chunk_0.ptd: writing it failed on the device after 2000 bytes (No space left on device); " +
+        assertEquals("\"chunk_0.ptd\": writing it failed on the device after 2000 bytes (No space left on device); " +
             "make room in $dir and push it again", end.string("message"))
         assertEquals(emptyList<String>(), dir.list()!!.toList(), "the file is not there")
         assertEquals(emptyList<String>(), File(root, "files.incoming").list()!!.toList(), "nor its part file")
@@ -67,7 +69,7 @@ class FileReceiverTest {
         val dir = File(root, "files")
         val end = push(FileReceiver(dir) { throw IOException("Read-only file system") }, 3).last()!!
         assertEquals(false, end.bool("ok"))
-        assertTrue(end.string("message").startsWith("chunk_0.ptd: the device could not create it in $dir (Read-only file system)"), end.string("message"))
+        assertTrue(end.string("message").startsWith("\"chunk_0.ptd\": the device could not create it in $dir (Read-only file system)"), end.string("message"))
     }
 
     private fun begin(rx: FileReceiver, id: Long, name: String, bytes: ByteArray) = rx.onMessage(Message(MsgType.FILE_BEGIN, linkedMapOf(
@@ -119,6 +121,34 @@ class FileReceiverTest {
         val r = begin(rx, 8, "cap8.bin", data)!!
         assertEquals(false, r.bool("ok"))
         assertTrue(r.string("message").startsWith("8 transfers are already open"), r.string("message"))
+        // its chunks are dropped and its FILE_END says why (it is not an unknown transfer)
+        assertNull(chunk(rx, 8, data))
+        assertTrue(end(rx, 8).string("message").startsWith("8 transfers are already open"))
+    }
+
+    /** PROTOCOL.md 5.1, as zl_mobile: a chunk or end of a transfer no FILE_BEGIN opened is UNEXPECTED
+     *  without request_id (the session then ends), not a FILE_RESULT. */
+    @Test
+    fun `chunks and ends of no transfer are UNEXPECTED`(@TempDir root: File) {
+        val rx = FileReceiver(File(root, "files"))
+        for (m in listOf(Message(MsgType.FILE_END, linkedMapOf("transfer_id" to 987654321L)),
+                         Message(MsgType.FILE_CHUNK, linkedMapOf("transfer_id" to 987654321L, "offset" to 0L), linkedMapOf("data" to Tensor.ofBytes(data))))) {
+            val e = assertThrows<ProtocolException> { rx.onMessage(m) }
+            assertEquals(ErrorCode.UNEXPECTED, e.code); assertNull(e.requestId)
+        }
+    }
+
+    /** A FILE_BEGIN name 5.2 allows may hold CR, ESC, BEL: FILE_RESULT quotes it (tests/vectors/quoting.json). */
+    @Test
+    fun `a name with control characters is quoted in FILE_RESULT`(@TempDir root: File) {
+        val rx = FileReceiver(File(root, "files"))
+        val name = "a\nb\r\u001b[2J\u0007"
+        begin(rx, 1, name, data)
+        begin(rx, 2, name, data) // supersedes transfer 1
+        val r = end(rx, 1)
+        assertEquals(false, r.bool("ok"))
+        assertTrue(r.string("message").startsWith("\"a\\nb\\r\\x1b[2J\\x07\": superseded"), r.string("message"))
+        assertTrue(r.string("message").all { it.code in 0x20..0x7e }, r.string("message"))
     }
 
     @Test

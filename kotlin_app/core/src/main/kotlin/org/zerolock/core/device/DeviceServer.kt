@@ -11,6 +11,7 @@ import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.Messages
 import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.Quote
 import org.zerolock.core.protocol.deviceHandshake
 import java.io.File
 import java.io.IOException
@@ -161,6 +162,8 @@ class DeviceServer(
             val deadline = watchdog.schedule({
                 if (state.compareAndSet(0, 2)) {
                     try { writer.write(timeoutMsg) } catch (_: Exception) {}
+                    // one ERROR (PROTOCOL.md 2.2, 6): the handshake, cut off mid-frame, must not add TRUNCATED
+                    try { c.shutdownOutput() } catch (_: IOException) {}
                     try { c.shutdownInput() } catch (_: IOException) {}
                 }
             }, handshakeTimeoutMs.toLong(), java.util.concurrent.TimeUnit.MILLISECONDS)
@@ -235,20 +238,44 @@ class DeviceServer(
         while (true) {
             val m = try { reader.read() } catch (_: SocketTimeoutException) { files.sweep(); continue }
             files.sweep() // counted from each transfer's last chunk, heartbeats or not
-            when (m.type) {
-                MsgType.HEARTBEAT -> writer.write(Messages.heartbeat(m.long("seq"), System.nanoTime() / 1_000_000))
-                MsgType.STAGE_ASSIGN -> writer.write(assign(m))
-                MsgType.STATE_GET -> writer.write(requireStage(m).state(m.string("kind"), m.long("request_id")))
-                MsgType.STATE_PUT -> writer.write(Messages.ack(m.long("request_id"), false, "STATE_PUT is not supported by this device yet; the adapter starts from its checkpoint or from init"))
-                MsgType.FILE_BEGIN, MsgType.FILE_CHUNK, MsgType.FILE_END -> files.onMessage(m)?.let { writer.write(it) }
-                MsgType.SHUTDOWN -> { stopStage(); return }
-                MsgType.ERROR -> { // about the session (no request_id): it ends (5.1); about one request: go on
-                    log("host reported ${m.string("code")}: ${m.string("message")}")
-                    if (m.meta["request_id"] == null) return
-                }
-                else -> throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} is not something a host sends to a device" +
-                    if (m.type == MsgType.HIDDEN_STATE) "; hidden states go to the stage's data_port (PROTOCOL.md 5.4.1)" else "")
+            if (m.type == MsgType.ERROR) { // about the session (no request_id): it ends (5.1); about one request: go on
+                log("host reported ${Quote.quote(m.string("code"))}: ${Quote.quote(m.string("message"))}")
+                if (m.meta["request_id"] == null) return
+                continue
             }
+            try {
+                handle(m, writer::write)
+            } catch (e: ProtocolException) {
+                // PROTOCOL.md 5.1: an ERROR about one request carries its request_id and the session
+                // goes on; one about no request (the message had none) ends it
+                val rid = e.requestId ?: requestIdOf(m) ?: throw e
+                log("${m.type} refused: ${e.message}")
+                writer.write(Messages.error(e.code, e.detail, rid))
+            } catch (e: RuntimeException) { // a failure on this side (INTERNAL), as zl-phone's
+                val rid = requestIdOf(m)
+                val err = ProtocolException(ErrorCode.INTERNAL, "${m.type} failed on the device: ${e.javaClass.simpleName}: ${e.message}", rid)
+                log(err.message ?: "")
+                if (rid == null) throw err
+                writer.write(err.toMessage())
+            }
+            if (m.type == MsgType.SHUTDOWN) return
+        }
+    }
+
+    /** The message's `request_id` when it carries a uint one (ACK, STATE_GET, ...), else null. */
+    private fun requestIdOf(m: Message): Long? = (m.meta["request_id"] as? Long)?.takeIf { it >= 0 }
+
+    /** One host message other than ERROR; a refusal is a [ProtocolException]. */
+    private fun handle(m: Message, write: (Message) -> Unit) {
+        when (m.type) {
+            MsgType.HEARTBEAT -> write(Messages.heartbeat(m.long("seq"), System.nanoTime() / 1_000_000))
+            MsgType.STAGE_ASSIGN -> write(assign(m))
+            MsgType.STATE_GET -> write(requireStage(m).state(m.string("kind"), m.long("request_id")))
+            MsgType.STATE_PUT -> write(Messages.ack(m.long("request_id"), false, "STATE_PUT is not supported by this device yet; the adapter starts from its checkpoint or from init"))
+            MsgType.FILE_BEGIN, MsgType.FILE_CHUNK, MsgType.FILE_END -> files.onMessage(m)?.let(write)
+            MsgType.SHUTDOWN -> stopStage()
+            else -> throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} is not something a host sends to a device" +
+                if (m.type == MsgType.HIDDEN_STATE) "; hidden states go to the stage's data_port (PROTOCOL.md 5.4.1)" else "")
         }
     }
 

@@ -1,5 +1,8 @@
 package org.zerolock.core.device
 
+import org.zerolock.core.protocol.ErrorCode
+import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.Quote
 import org.zerolock.core.protocol.Handshake
 import org.zerolock.core.protocol.Message
 import org.zerolock.core.protocol.MsgType
@@ -52,7 +55,7 @@ class FileReceiver(
         val now = clockNs()
         for ((id, t) in transfers.entries.toList()) {
             if (now - t.seenNs > staleAfterMs * 1_000_000) {
-                abandon(id, "${t.name}: no chunk for ${staleAfterMs / 1000.0} s, the transfer was dropped")
+                abandon(id, "${Quote.quote(t.name)}: no chunk for ${staleAfterMs / 1000.0} s, the transfer was dropped")
             }
         }
     }
@@ -95,11 +98,13 @@ class FileReceiver(
         val name = m.string("name") // validated as a plain file name by the schema
         if (transfers.containsKey(id)) abandon(id, "transfer $id was restarted by a new FILE_BEGIN with the same id")
         for ((other, t) in transfers.entries.toList()) {
-            if (t.name == name) abandon(other, "$name: superseded by transfer $id to the same name; only the last FILE_BEGIN for a name is kept")
+            if (t.name == name) abandon(other, "${Quote.quote(name)}: superseded by transfer $id to the same name; only the last FILE_BEGIN for a name is kept")
         }
         gone.remove(id)
-        if (transfers.size >= maxOpen) {
-            return result(id, false, 0, null, "$maxOpen transfers are already open on this device; finish (FILE_END) one before starting another")
+        if (transfers.size >= maxOpen) { // refused at once: its chunks are dropped, its FILE_END says why
+            val why = "$maxOpen transfers are already open on this device; finish (FILE_END) one before starting another"
+            gone[id] = why
+            return result(id, false, 0, null, why)
         }
         dir.mkdirs()
         incoming.mkdirs()
@@ -107,7 +112,7 @@ class FileReceiver(
         var why: String? = null
         val out = try { open(part) } catch (e: IOException) { why = e.message; null }
         val t = Transfer(name, m.long("size"), m.string("sha256"), part, out).also { it.seenNs = clockNs() }
-        if (out == null) t.failed = "$name: the device could not create it in $dir ($why); make room there (or check its permissions) and push it again"
+        if (out == null) t.failed = "${Quote.quote(name)}: the device could not create it in $dir ($why); make room there (or check its permissions) and push it again"
         transfers[id] = t
         return null
     }
@@ -117,12 +122,12 @@ class FileReceiver(
     }
 
     private fun writeFailed(t: Transfer, e: IOException) =
-        "${t.name}: writing it failed on the device after ${t.received} bytes (${e.message}); make room in $dir and push it again"
+        "${Quote.quote(t.name)}: writing it failed on the device after ${t.received} bytes (${e.message}); make room in $dir and push it again"
 
     private fun chunk(m: Message): Message? {
         val id = m.long("transfer_id")
         val t = transfers[id] ?: return if (gone.containsKey(id)) null // abandoned: its FILE_END says why
-            else result(id, false, 0, null, "no FILE_BEGIN for transfer $id; start the transfer again")
+            else throw unknown("FILE_CHUNK for unknown transfer $id; send FILE_BEGIN first")
         t.seenNs = clockNs()
         if (t.failed != null) return null
         val data = m.tensor("data").data
@@ -143,7 +148,7 @@ class FileReceiver(
     private fun end(m: Message): Message {
         val id = m.long("transfer_id")
         val t = transfers.remove(id) ?: return result(id, false, 0, null,
-            gone.remove(id)?.let { "$it; push it again" } ?: "no FILE_BEGIN for transfer $id; start the transfer again")
+            gone.remove(id)?.let { "$it; push it again" } ?: throw unknown("FILE_END for unknown transfer $id"))
         if (t.failed == null) {
             try { t.out!!.flush(); t.out.fd.sync(); t.out.close() } catch (e: IOException) { t.failed = writeFailed(t, e) }
         }
@@ -158,6 +163,9 @@ class FileReceiver(
         Files.move(t.part.toPath(), File(dir, t.name).toPath(), StandardCopyOption.ATOMIC_MOVE, StandardCopyOption.REPLACE_EXISTING)
         return result(id, true, t.received, sha)
     }
+
+    /** A chunk or end of no transfer this session began: about no request, so the session ends (PROTOCOL.md 5.1, as zl_mobile). */
+    private fun unknown(why: String) = ProtocolException(ErrorCode.UNEXPECTED, why)
 
     fun abortAll() {
         for (t in transfers.values) discard(t)

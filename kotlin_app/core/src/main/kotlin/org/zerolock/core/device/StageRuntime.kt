@@ -54,23 +54,26 @@ class StageAssignment(val msg: Message) {
 
     fun check() {
         StageAssignRules.validate(msg.meta) // every field, before anything is created (PROTOCOL.md 5.3.1)
-        fun reject(why: String): Nothing = throw ProtocolException(ErrorCode.REJECTED, why, msg.long("request_id"))
-        if (windowSize < 1) reject("window_size must be >= 1")
-        if (inflightDepth < 1) reject("inflight_depth must be >= 1")
-        if (replayHorizon < 1) reject("replay_horizon must be >= 1")
+        // PROTOCOL.md 5.3.1: a refusal names its field first (`STAGE_ASSIGN <field>: ...`)
+        fun reject(field: String, why: String): Nothing =
+            throw ProtocolException(ErrorCode.REJECTED, "STAGE_ASSIGN $field: $why", msg.long("request_id"))
+        if (windowSize < 1) reject("window_size", "must be >= 1")
+        if (inflightDepth < 1) reject("inflight_depth", "must be >= 1")
+        if (replayHorizon < 1) reject("replay_horizon", "must be >= 1")
         if (upstreamToken == null) {
-            reject("STAGE_ASSIGN for stage $stage lacks upstream_token: the stage needs the pairing token of its upstream link (section 6) to accept it")
+            reject("upstream_token", "stage $stage lacks it: the stage needs the pairing token of its upstream link (section 6) to accept it")
         }
-        if (downstream != null && downstreamToken == null) reject("downstream $downstream given without downstream_token")
+        if (downstream != null && downstreamToken == null) reject("downstream_token", "downstream $downstream given without it")
         // what this core cannot do is refused, never run as something else (kotlin_app/README.md)
         val schedule = msg.meta["schedule"] ?: "zerolock"
         if (schedule != "zerolock") {
-            reject("schedule $schedule: this phone's core runs only the zerolock schedule; run the BP baselines on zl-phone (--runtime python)")
+            reject("schedule", "$schedule: this phone's core runs only the zerolock schedule; run the BP baselines on zl-phone (--runtime python)")
         }
         val keep = (config["keep_checkpoints"] as? Number)?.toLong() ?: 1L
         if (keep > 1 || config["rollback_to_window"] != null) {
-            reject("global rollback (keep_checkpoints $keep, rollback_to_window ${config["rollback_to_window"]}): this phone's core keeps one " +
-                "checkpoint per stage and recovers locally; use --recovery local, or zl-phone (--runtime python)")
+            val field = if (keep > 1) "config.keep_checkpoints" else "config.rollback_to_window"
+            reject(field, "global rollback (keep_checkpoints $keep, rollback_to_window ${config["rollback_to_window"]}) is not supported: this phone's core keeps one " +
+            "checkpoint per stage and recovers locally; use --recovery local, or zl-phone (--runtime python)")
         }
     }
 }
