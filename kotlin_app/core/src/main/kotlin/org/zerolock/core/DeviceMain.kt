@@ -124,7 +124,7 @@ object DeviceMain {
         }
         val pss = PssSampler()
         val server = DeviceServer(
-            info = DeviceInfo(name, runtimeLabel(runtime), Runtime.getRuntime().maxMemory(), listOf("lora", "replay"),
+            info = DeviceInfo(name, runtimeLabel(runtime), HelloFacts.totalMemoryBytes(), listOf("lora", "replay"),
                 extra = HelloFacts.fixed(HelloFacts.cores(), cpuShare), live = { HelloFacts.live(limit) }),
             token = tok,
             filesDir = File(root, "files"),

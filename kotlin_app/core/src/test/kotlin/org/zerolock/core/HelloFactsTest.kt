@@ -39,4 +39,19 @@ class HelloFactsTest {
         assertFalse("cpu_share" in plain)
         assertEquals(MemoryLimit.availableBytes() != null, "memory_budget_bytes" in plain) // MemAvailable, as zl_mobile
     }
+
+    /** HELLO memory_bytes is the device's RAM (issue 51: DeviceMain sent the JVM's -Xmx, below its own budget). */
+    @Test
+    fun `memory_bytes is the device's total RAM, not the JVM heap`() {
+        val meminfo = File(Files.createTempDirectory("hello").toFile(), "meminfo")
+        meminfo.writeText("MemTotal:       16303448 kB\nMemFree:         1000000 kB\nMemAvailable:    9000000 kB\n")
+        assertEquals(16303448L * 1024, HelloFacts.totalMemoryBytes(meminfo))
+        meminfo.delete()
+        assertEquals(0L, HelloFacts.totalMemoryBytes(meminfo), "unreadable: 0, as zl_mobile")
+        val total = HelloFacts.totalMemoryBytes()
+        if (File("/proc/meminfo").canRead()) {
+            assertTrue(total > Runtime.getRuntime().maxMemory(), "$total is not more than the heap limit")
+            assertTrue(total >= (MemoryLimit.availableBytes() ?: 0L), "the total is at least what is available")
+        }
+    }
 }

@@ -101,4 +101,32 @@ class ManifestRunnerTest {
         File(dir, "manifest.json").writeText(manifest.replace(""", "alpha": 0.3""", "").replace(""", {"name": "alpha", "shape": [1]}""", ""))
         assertEquals(null, f.create(assign(sha), dir).alpha)
     }
+
+    /** PROTOCOL.md 5.2: a manifest's file names are plain names listed in its files; anything else is
+     *  refused before any file is looked at (it used to strip the directory and load the pushed file). */
+    @Test
+    fun `a manifest naming a path or an unlisted file is refused before any file is read`(@TempDir dir: File) {
+        File(dir, "chunk_0.pte").writeBytes(byteArrayOf(1, 2, 3))
+        File(dir, "chunk_0.ptd").writeBytes(byteArrayOf(4))
+        File(dir, "sub").mkdirs()
+        File(dir, "sub/chunk_0.pte").writeBytes(byteArrayOf(1, 2, 3))
+        val sha = ManifestRunnerFactory.sha256(File(dir, "chunk_0.pte"))
+        val f = ManifestRunnerFactory { p, _ -> throw AssertionError("${p.path} was loaded") }
+        val listed = manifest.replace("\"chunks\":", "\"files\": [{\"path\": \"chunk_0.pte\"}, {\"path\": \"chunk_0.ptd\"}], \"chunks\":")
+        for ((key, name, text) in listOf(
+                Triple("program", "sub/chunk_0.pte", "\"sub/chunk_0.pte\""),
+                Triple("program", "x/../chunk_0.pte", "\"x/../chunk_0.pte\""),
+                Triple("program", "..", "\"..\""),
+                Triple("weights", "../chunk_0.ptd", "\"../chunk_0.ptd\""),
+                Triple("weights", "a\\b", "\"a\\\\b\""),
+                Triple("program", "other.pte", "\"other.pte\""))) { // plain, but not in the manifest's files
+            val field = "\"$key\": \"chunk_0.${if (key == "program") "pte" else "ptd"}\""
+            assertTrue(field in listed, field)
+            File(dir, "manifest.json").writeText(listed.replace(field, "\"$key\": ${Json.write(name)}"))
+            val e = assertThrows<ProtocolException> { f.create(assign(sha), dir) }
+            assertEquals(ErrorCode.REJECTED, e.code)
+            assertTrue(e.detail.startsWith("manifest.json names $text as chunk 0's $key, which is not a plain file name listed in its files"), e.detail)
+            assertEquals(1L, e.requestId)
+        }
+    }
 }

@@ -21,6 +21,18 @@ object HelloFacts {
         MemoryLimit.budgetBytes(limit)?.takeIf { it > 0 }?.let { mapOf("memory_budget_bytes" to it) } ?: emptyMap()
 
     /**
+     * HELLO `memory_bytes`: the device's total RAM (MemTotal of /proc/meminfo, Linux and Android), as
+     * zl_mobile's total_memory_bytes; 0 where it cannot be read. Never the JVM's heap limit (-Xmx):
+     * the planner compares it with `memory_budget_bytes`, which counts native memory too.
+     */
+    fun totalMemoryBytes(meminfo: File = File("/proc/meminfo")): Long = try {
+        meminfo.readLines().firstOrNull { it.startsWith("MemTotal:") }
+            ?.substringAfter(':')?.trim()?.split(Regex("\\s+"))?.firstOrNull()?.toLongOrNull()?.times(1024)
+    } catch (_: IOException) {
+        null
+    } ?: 0L
+
+    /**
      * The CPUs this process may run on, counted as Python's len(os.sched_getaffinity(0)): the
      * kernel's `Cpus_allowed_list` (taskset). Not Runtime.availableProcessors(): the JVM also
      * rounds a cgroup CPU quota into it, so a phone held to 0.5 of a core (zl_mobile.cpu_budget)

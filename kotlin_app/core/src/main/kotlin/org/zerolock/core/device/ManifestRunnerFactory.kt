@@ -6,6 +6,8 @@ import org.zerolock.core.Safetensors
 import org.zerolock.core.asObject
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.Handshake
+import org.zerolock.core.protocol.Schema
+import org.zerolock.core.protocol.Quote
 import org.zerolock.core.protocol.ProtocolException
 import java.io.File
 import java.security.MessageDigest
@@ -26,8 +28,19 @@ class ManifestRunnerFactory(private val loadBackend: (program: File, weights: Fi
         val chunk = chunks.map { it.asObject("chunk") }.firstOrNull { (it["index"] as? Number)?.toInt() == assignment.stage }
             ?: chunks.getOrNull(assignment.stage)?.asObject("chunk")
             ?: reject(assignment, "manifest.json has no chunk ${assignment.stage}")
-        val program = File(filesDir, File(chunk["program"] as? String ?: reject(assignment, "chunk has no 'program'")).name)
-        val weights = (chunk["weights"] as? String)?.let { File(filesDir, File(it).name) }
+        // PROTOCOL.md 5.2: the names first, before any file is looked at, so the answer never tells
+        // whether a file outside the device's storage exists or what it holds (as zl_mobile)
+        val listed = (manifest["files"] as? List<*>)?.mapNotNull { (it as? Map<*, *>)?.get("path") as? String }?.toSet()
+        if (chunk["program"] == null) reject(assignment, "chunk ${assignment.stage} has no 'program'")
+        for (key in listOf("program", "weights", "lora_init")) {
+            val name = chunk[key] ?: continue
+            if (name !is String || !Schema.isPlainFileName(name) || (listed != null && name !in listed)) {
+                reject(assignment, "manifest.json names ${Quote.show(name)} as chunk ${assignment.stage}'s $key, which is not a plain " +
+                    "file name listed in its files (no '/', '\\', '..'; files live in the phone's storage): push the export's own manifest.json")
+            }
+        }
+        val program = File(filesDir, chunk["program"] as String)
+        val weights = (chunk["weights"] as? String)?.let { File(filesDir, it) }
         if (!program.isFile) reject(assignment, "${program.name} was not pushed")
         if (sha256(program) != assignment.programSha256) reject(assignment, "${program.name} does not match program_sha256; re-push it")
         if (weights != null) {
@@ -53,7 +66,7 @@ class ManifestRunnerFactory(private val loadBackend: (program: File, weights: Fi
         }
         // the export's LoRA initialisation, as zl_mobile starts from it (the host pushes it)
         val loraInit = (chunk["lora_init"] as? String)?.let { rel ->
-            val f = File(filesDir, File(rel).name)
+            val f = File(filesDir, rel)
             if (!f.isFile) reject(assignment, "${f.name} (the chunk's lora_init) was not pushed")
             try { Safetensors.readFloats(f) } catch (e: Safetensors.FormatError) { reject(assignment, e.message ?: "bad lora_init") }
         }

@@ -113,10 +113,13 @@ object Schema {
     }
 
     fun checkFileName(name: String) {
+        if (!isPlainFileName(name)) malformed("file name ${Quote.quote(name)} must be a plain name of 1..255 bytes without '/', '\\' or NUL")
+    }
+
+    /** PROTOCOL.md 5.2: a plain file name (FILE_BEGIN's, and every file a manifest names), never a path. */
+    fun isPlainFileName(name: String): Boolean {
         val n = name.toByteArray(Charsets.UTF_8).size
-        if (n !in 1..255 || name == "." || name == ".." || name.any { it == '/' || it == '\\' || it == '\u0000' }) {
-            malformed("file name '$name' must be a plain name of 1..255 bytes without '/', '\\' or NUL")
-        }
+        return n in 1..255 && name != "." && name != ".." && name.none { it == '/' || it == '\\' || it == '\u0000' }
     }
 
     private fun typeOk(v: Any?, t: T): Boolean = when (t) {
@@ -137,10 +140,10 @@ object Schema {
         val spec = specs[m.type] ?: throw ProtocolException(ErrorCode.UNKNOWN_TYPE, "no schema for ${m.type}")
         for ((k, t) in spec.req) {
             if (!m.meta.containsKey(k)) malformed("${m.type} lacks required field '$k'")
-            if (!typeOk(m.meta[k], t)) malformed("${m.type} field '$k' must be ${t.name.lowercase()}, got ${m.meta[k]}")
+            if (!typeOk(m.meta[k], t)) malformed("${m.type} field '$k' must be ${t.name.lowercase()}, got ${Quote.show(m.meta[k])}")
         }
         for ((k, t) in spec.opt) {
-            if (m.meta.containsKey(k) && !typeOk(m.meta[k], t)) malformed("${m.type} field '$k' must be ${t.name.lowercase()}, got ${m.meta[k]}")
+            if (m.meta.containsKey(k) && !typeOk(m.meta[k], t)) malformed("${m.type} field '$k' must be ${t.name.lowercase()}, got ${Quote.show(m.meta[k])}")
         }
         when (spec.tensors) {
             Tensors.NONE -> if (m.tensors.isNotEmpty()) malformed("${m.type} carries no tensors, got ${m.tensors.size}")
