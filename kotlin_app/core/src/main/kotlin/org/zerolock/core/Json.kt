@@ -61,7 +61,7 @@ internal class JsonScanner(
             'n' -> lit("null", null)
             'N' -> if (strict) fail("NaN is not JSON") else lit("NaN", Double.NaN)
             'I' -> if (strict) fail("Infinity is not JSON") else lit("Infinity", Double.POSITIVE_INFINITY)
-            else -> if (c == '-' || c in '0'..'9') num() else fail("unexpected character '$c'")
+            else -> if (c == '-' || c in '0'..'9') num() else fail("unexpected character ${org.zerolock.core.protocol.Quote.quote(c.toString())}")
         }
     }
 
@@ -85,7 +85,7 @@ internal class JsonScanner(
             if (i >= s.length || s[i] != ':') fail("expected ':'")
             i++
             ws()
-            if (strict && m.containsKey(k)) fail("duplicate key '$k'")
+            if (strict && m.containsKey(k)) fail("duplicate key ${org.zerolock.core.protocol.Quote.quote(k)}")
             m[k] = value(depth + 1)
             ws()
             if (i >= s.length) fail("unterminated object")

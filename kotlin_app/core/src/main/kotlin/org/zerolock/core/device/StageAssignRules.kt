@@ -2,6 +2,7 @@ package org.zerolock.core.device
 
 import org.zerolock.core.protocol.ErrorCode
 import org.zerolock.core.protocol.ProtocolException
+import org.zerolock.core.protocol.Quote
 
 /**
  * STAGE_ASSIGN field rules (PROTOCOL.md 5.3.1), checked before anything is read, created or
@@ -28,7 +29,8 @@ object StageAssignRules {
 
     private fun isInt(v: Any?) = v is Long || v is Int
     private fun isNumber(v: Any?) = isInt(v) || (v is Double && v.isFinite()) || (v is Float && v.isFinite())
-    private fun show(v: Any?): String = if (v is String) "'$v'" else v.toString()
+    /** A peer's value in a refusal: quoted, escaped and cut (tests/vectors/quoting.json). */
+    private fun show(v: Any?): String = Quote.show(v)
 
     private fun intIn(m: Map<String, Any?>, key: String, lo: Long, hi: Long, rid: Long?, field: String = key,
                       nullable: Boolean = false) {
@@ -53,12 +55,12 @@ object StageAssignRules {
         val colon = v.lastIndexOf(':')
         val port = if (colon < 0) "" else v.substring(colon + 1)
         if (colon < 0 || port.isEmpty() || !port.all { it in '0'..'9' } || port.length > 5 || port.toInt() !in 1..65535) {
-            reject(field, "'$v' must be \"host:port\" with a port from 1 to 65535", rid)
+            reject(field, "${show(v)} must be \"host:port\" with a port from 1 to 65535", rid)
         }
         val host = v.substring(0, colon)
         val ok = if (host.startsWith("[") && host.endsWith("]")) isIpv6(host.substring(1, host.length - 1))
                  else host.length in 1..253 && HOSTNAME.matches(host)
-        if (!ok) reject(field, "'$v': '$host' is not an IPv4 address, [IPv6] address or host name", rid)
+        if (!ok) reject(field, "${show(v)}: ${show(host)} is not an IPv4 address, [IPv6] address or host name", rid)
     }
 
     /** An IPv6 literal (RFC 4291 text forms, an IPv4 tail allowed), parsed here: no resolver is asked. */
@@ -122,7 +124,7 @@ object StageAssignRules {
             val bad = o == null || !(anyWindow || (isInt(w) && (w as Number).toLong() >= 0)) || (o["point"] ?: "after-phase1") !in FAILURE_POINTS ||
                 (o.containsKey("seconds") && (!isNumber(o["seconds"]) || (o["seconds"] as Number).toDouble() !in 0.0..3600.0)) ||
                 (o["mode"] ?: "process") !in FAILURE_MODES || (o["detect"] ?: "connection") !in FAILURE_DETECTS
-            if (bad) reject("config.inject_failure", "$sp must be {window: uint (null for slow-phase1), point: one of ${FAILURE_POINTS.joinToString(", ")}, seconds: 0..3600, " +
+            if (bad) reject("config.inject_failure", "${show(sp)} must be {window: uint (null for slow-phase1), point: one of ${FAILURE_POINTS.joinToString(", ")}, seconds: 0..3600, " +
                 "mode: ${FAILURE_MODES.joinToString(" or ")}, detect: ${FAILURE_DETECTS.joinToString(" or ")}}", rid)
         }
     }

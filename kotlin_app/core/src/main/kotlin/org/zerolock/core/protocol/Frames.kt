@@ -140,29 +140,29 @@ object Frames {
                 Charsets.UTF_8.newDecoder().decode(java.nio.ByteBuffer.wrap(body, o, nameLen)).toString()
             } catch (e: java.nio.charset.CharacterCodingException) { malformed("tensor name is not UTF-8") }
             o += nameLen
-            if (name in tensors) malformed("duplicate tensor name '$name'")
+            if (name in tensors) malformed("duplicate tensor name ${Quote.quote(name)}")
             need(2, "dtype/ndim")
             val dtypeCode = body[o].toInt() and 0xff
-            val dtype = DType.fromCode(dtypeCode) ?: malformed("tensor '$name': unknown dtype code $dtypeCode")
+            val dtype = DType.fromCode(dtypeCode) ?: malformed("tensor ${Quote.quote(name)}: unknown dtype code $dtypeCode")
             val ndim = body[o + 1].toInt() and 0xff
             o += 2
-            if (ndim > Tensor.MAX_DIMS) malformed("tensor '$name': ndim $ndim > ${Tensor.MAX_DIMS}")
+            if (ndim > Tensor.MAX_DIMS) malformed("tensor ${Quote.quote(name)}: ndim $ndim > ${Tensor.MAX_DIMS}")
             need(4L * ndim + 8, "shape")
             val shape = LongArray(ndim) { u32(body, o + 4 * it) }
             o += 4 * ndim
-            val count = Tensor.elementCountOrNull(shape) ?: malformed("tensor '$name': product of dims ${shape.toList()} is >= 2^32")
+            val count = Tensor.elementCountOrNull(shape) ?: malformed("tensor ${Quote.quote(name)}: product of dims ${shape.toList()} is >= 2^32")
             val nbytes = u32(body, o)
             val dataCrc = u32(body, o + 4)
             o += 8
-            if (nbytes != count * dtype.itemSize) malformed("tensor '$name': nbytes $nbytes != ${count} elements * ${dtype.itemSize}")
+            if (nbytes != count * dtype.itemSize) malformed("tensor ${Quote.quote(name)}: nbytes $nbytes != ${count} elements * ${dtype.itemSize}")
             val pad = (8 - o % 8) % 8
-            if (o + pad + nbytes > n) malformed("tensor '$name': ${nbytes} data bytes run past the end of the body")
-            for (k in 0 until pad) if (body[o + k] != 0.toByte()) malformed("tensor '$name': non-zero padding")
+            if (o + pad + nbytes > n) malformed("tensor ${Quote.quote(name)}: ${nbytes} data bytes run past the end of the body")
+            for (k in 0 until pad) if (body[o + k] != 0.toByte()) malformed("tensor ${Quote.quote(name)}: non-zero padding")
             o += pad
             val data = body.copyOfRange(o, o + nbytes.toInt())
             o += nbytes.toInt()
-            if (crc32(data) != dataCrc) throw ProtocolException(ErrorCode.BAD_CHECKSUM, "tensor '$name' data CRC mismatch; the sender computed it wrong")
-            if (dtype == DType.BOOL && data.any { it != 0.toByte() && it != 1.toByte() }) malformed("tensor '$name': bool bytes must be 0 or 1")
+            if (crc32(data) != dataCrc) throw ProtocolException(ErrorCode.BAD_CHECKSUM, "tensor ${Quote.quote(name)} data CRC mismatch; the sender computed it wrong")
+            if (dtype == DType.BOOL && data.any { it != 0.toByte() && it != 1.toByte() }) malformed("tensor ${Quote.quote(name)}: bool bytes must be 0 or 1")
             tensors[name] = Tensor(dtype, shape, data)
         }
         if (o != n) malformed("${n - o} bytes left after the last tensor record")
