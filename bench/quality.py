@@ -251,6 +251,9 @@ class Trainer:
             cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alphas[0])
             self.chunks = [ChunkModel(pm, f, l, cfg) for f, l in CHUNKS]
         self.first_losses = None
+        # CPU seconds per chunk (its layers, readout and backward; the plain-autograd path): the phone's
+        # share of a micro-batch, so a deeper readout's cost shows per chunk whatever the machine's load
+        self.chunk_cpu = [0.0] * len(CHUNKS)
 
     def micro_batch(self, b, window) -> dict:
         from zl_mobile.readout import readout_positions
@@ -273,10 +276,12 @@ class Trainer:
             valid = _t(b, "labels") != -100
             y = _t(b, "labels")[valid]
             x, att, pos = _t(b, "input_ids"), _t(b, "attention_mask"), _t(b, "position_ids")
+            c0 = time.process_time()  # chunk 0's share: the embedding and its p_{k-1} too
             h_in = llama.model.embed_tokens(x)
             with torch.no_grad():
                 logq = F.log_softmax(llama.lm_head(self.readout.read(-1, h_in, valid, att, pos)), dim=-1)
             for k, ch in enumerate(self.chunks):
+                c0 = c0 if k == 0 else time.process_time()
                 h = ch.run_layers(h_in, att, pos)
                 logp = F.log_softmax(llama.lm_head(self.readout.read(k, h, valid, att, pos)), dim=-1)
                 ce = F.nll_loss(logp, y)
@@ -285,6 +290,7 @@ class Trainer:
                     (self.alphas[k] * ce + (1 - self.alphas[k]) * kl).backward()
                 losses[f"task_{k}"], losses[f"consis_{k}"] = float(ce.detach()), float(kl.detach())
                 logq, h_in = logp.detach(), h.detach()
+                self.chunk_cpu[k] += time.process_time() - c0
         else:  # ZeroLock: each chunk its local loss, on the upstream chunk's detached h
             index, target, weight, dropped = readout_positions(labels, labels.size)
             assert dropped == 0
@@ -560,14 +566,15 @@ def train_and_eval(base, data, method, lr, seed, a, label_ids, eval_split, curve
                         curve.append({"samples": seen, **c})
                 log(f"  {method} lr={lr:g} seed={seed} mb {i + 1}/{len(train_mbs)} "
                     + " ".join(f"{k}={v:.3f}" for k, v in losses.items()) + f" ({time.time() - t0:.0f} s)")
-            first_losses, readout = tr.first_losses, tr.readout
+            first_losses, readout, chunk_cpu = tr.first_losses, tr.readout, tr.chunk_cpu
         else:
-            first_losses, readout = None, None
+            first_losses, readout, chunk_cpu = None, None, None
         ev = evaluate(pm, eval_mbs, label_ids, readout)
         extra = extra_eval(pm) if extra_eval is not None else None
         return {"method": method, "lr": lr, "seed": seed, "split": eval_split, "eval": ev, "curve": curve,
                 **({"extra": extra} if extra is not None else {}),
                 "first_step_losses": first_losses, "train_seconds": time.time() - t0,
+                **({"chunk_cpu_seconds": chunk_cpu} if chunk_cpu and any(chunk_cpu) else {}),
                 "samples": len(order) if method != "zero-shot" else 0}
     finally:
         pm.unload()  # the base model comes back without LoRA layers for the next run

@@ -323,6 +323,7 @@ def test_tail_d_reads_through_d_base_layers_then_the_lens_at_that_depth():
     losses = tr.micro_batch(b, 0)
     assert set(losses) == {f"{t}_{k}" for t in ("task", "consis") for k in range(3)}
     assert all(p.grad is not None for p in tr.params.values())
+    assert len(tr.chunk_cpu) == 3 and all(c > 0 for c in tr.chunk_cpu)  # each chunk's CPU share, counted
 
 
 def test_tail_readouts_train_at_the_defaults_swept_rate_on_the_split_asked(tmp_path):
