@@ -26,6 +26,8 @@ import time
 import unicodedata
 from dataclasses import dataclass, field
 
+from .protocol.quoting import quote
+
 SERVICE_TYPE = "_zerolock._tcp.local."
 PROTO = 1  # the wire protocol version this side speaks (docs/PROTOCOL.md)
 LOOPBACK = ["127.0.0.1"]
@@ -580,6 +582,23 @@ def found_from(full_name: str, port: int, addresses: list[str], props: dict) -> 
                  addresses=list(addresses), status=status, problem=problem, cpu_share=chk.cpu_share)
 
 
+def invalid_instance(full_name: str, why: str) -> Found:
+    """A service listed but never used: its name and instance shown quoted (PROTOCOL.md 7), as the
+    raw label may hold ESC or BEL that would drive the terminal of whoever lists devices."""
+    shown = quote(instance_of(full_name))
+    return Found(name=shown, address="", port=0, proto=None, runtime="?", memory_bytes=0, instance=shown,
+                 status="invalid", problem=why)
+
+
+def unresolvable(full_name: str) -> Found | None:
+    """An advert whose instance label 10.2 forbids (python-zeroconf refuses to even look it up):
+    listed as invalid with the reason; None when the label is fine."""
+    problem = instance_name_problem(instance_of(full_name))
+    if problem is None:
+        return None
+    return invalid_instance(full_name, f"instance name {problem} (docs/PROTOCOL.md 10.2)")
+
+
 def browse(timeout: float = 2.0, interfaces=LOOPBACK, until=None, settle_s: float = 0.5) -> list[Found]:
     """Services answering on the given interfaces within `timeout` s (or once `until(found)` is
     true of the valid ones, and no new service has turned up for `settle_s`: responders answer a
@@ -612,7 +631,15 @@ def browse(timeout: float = 2.0, interfaces=LOOPBACK, until=None, settle_s: floa
             with lock:
                 pending = [n for n in names if n not in found]
             for n in pending:
-                info = zc.get_service_info(SERVICE_TYPE, n, timeout=1000)
+                bad = unresolvable(n)  # one bad advert is listed with its reason; it never stops the browse
+                if bad is not None:
+                    found[n] = bad
+                    continue
+                try:
+                    info = zc.get_service_info(SERVICE_TYPE, n, timeout=1000)
+                except Exception as e:  # noqa: BLE001 - whatever zeroconf makes of a stranger's advert
+                    found[n] = invalid_instance(n, f"could not be resolved ({type(e).__name__}: {quote(str(e))})")
+                    continue
                 if info is None:
                     continue
                 found[n] = found_from(n, info.port or 0, info.parsed_addresses(), info.properties or {})
