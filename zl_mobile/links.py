@@ -25,6 +25,7 @@ import threading
 import time
 
 from .connection import Connection, connect, tune_link_socket
+from .protocol.quoting import quote
 from .protocol import (DEFAULT_MAX_FRAME, ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
                        device_handshake, error_reply, host_handshake)
 
@@ -385,7 +386,7 @@ class OutboundLink:
                     self._pruned_below = max(self._pruned_below, end)
                 self.on_committed(msg.meta)
             elif msg.type == MsgType.ERROR:
-                log.error("%s: downstream error %s: %s", self.name, msg["code"], msg["message"])
+                log.error("%s: downstream error %s: %s", self.name, quote(msg["code"]), quote(msg["message"]))
             self._cond.notify_all()
 
 
