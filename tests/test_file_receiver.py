@@ -46,3 +46,21 @@ def test_leftover_part_files_of_a_killed_phone_are_removed_at_start(tmp_path):
     (incoming / "7-abc.part").write_bytes(b"half")
     clear_incoming(incoming)
     assert incoming.is_dir() and list(incoming.iterdir()) == []
+
+
+def test_a_refused_begin_drops_its_chunks_and_answers_its_end(tmp_path):
+    # the host sends chunks right behind FILE_BEGIN: those of a refused one must not count as a
+    # transfer never begun (an ERROR without request_id, which ends the session: PROTOCOL.md 5.1)
+    files, incoming = tmp_path / "files", tmp_path / "incoming"
+    files.mkdir()
+    clear_incoming(incoming)
+    rx = FileReceiver(files, incoming, max_open=1)
+    begin = {"kind": "other", "size": 4, "sha256": "00" * 32}
+    assert rx.begin(Message(MsgType.FILE_BEGIN, {"transfer_id": 1, "name": "a.bin", **begin})) is None
+    first = rx.begin(Message(MsgType.FILE_BEGIN, {"transfer_id": 2, "name": "b.bin", **begin}))
+    assert first["ok"] is False and "1 transfers are already open" in first["message"]
+    assert rx.chunk(Message(MsgType.FILE_CHUNK, {"transfer_id": 2, "offset": 0},
+                            {"data": np.frombuffer(b"abcd", np.uint8)})) is None
+    end = rx.end(Message(MsgType.FILE_END, {"transfer_id": 2}))
+    assert end["transfer_id"] == 2 and end["ok"] is False and "already open" in end["message"]
+    assert rx.open_count == 1 and list(files.iterdir()) == []
