@@ -596,7 +596,7 @@ def unresolvable(full_name: str) -> Found | None:
     problem = instance_name_problem(instance_of(full_name))
     if problem is None:
         return None
-    return invalid_instance(full_name, f"instance name {problem} (docs/PROTOCOL.md 10.2)")
+    return invalid_instance(full_name, f"instance name {problem}: rename the phone (docs/PROTOCOL.md 10.2)")
 
 
 def browse(timeout: float = 2.0, interfaces=LOOPBACK, until=None, settle_s: float = 0.5) -> list[Found]:
