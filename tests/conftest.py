@@ -13,6 +13,19 @@ import pytest
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
+
+def _bind_library_logging_to_session_stderr():
+    """transformers makes its log handler on first use, bound to the sys.stderr of that moment: if
+    that is inside a test using capsys, the handler keeps the test's stream, closed once the test
+    ends, and a later test's warning prints a "Logging error" traceback into its own stderr. Made
+    here, the handler holds the session's stream whichever module a worker runs first."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers")
+
+
+_bind_library_logging_to_session_stderr()
+
 SMALL_LAYERS = 3
 SMALL_DECODE_BLOCK = 6144  # weights decoded at once in the small int4 export: the MLP's 8,192 in 2 row blocks
 SMALL_CHUNKS = "0-0,1-1,2-2"  # three one-layer chunks: three emulated phones
@@ -111,10 +124,12 @@ def small_export_tail(small_model_dir, tmp_path_factory):
     none; with the eager backend's weights. (out_dir, manifest, artifacts, cfg)."""
     from exporter.export import export_model
 
-    cfg = small_export_config(readout="tail:1")
-    out = tmp_path_factory.mktemp("export_tail") / "out"
-    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, eager_weights=True)
-    return out, manifest, artifacts, cfg
+    def build(d):
+        cfg = small_export_config(readout="tail:1")
+        manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, d / "out", cfg, eager_weights=True)
+        return d / "out", manifest, artifacts, cfg
+
+    return shared_once(tmp_path_factory, "small_export_tail", build)
 
 
 def _quantized_export(base_weights, small_model_dir, tmp_path_factory, **cfg_kw):
