@@ -240,7 +240,7 @@ def build_parser():
     from .export_run import add_parser as add_export_parser
     add_export_parser(sub)
     from .finetune import add_parser as add_finetune_parser
-    add_finetune_parser(sub, add_generation_args, _lrs, _fraction)
+    add_finetune_parser(sub, add_generation_args, _lrs, _fraction, _alphas)
     v = sub.add_parser("eval", help="held-out NLL, accuracy, and generated answers' exact match and F1 with the trained adapter")
     v.add_argument("--program", required=True)
     v.add_argument("--adapter", required=True)

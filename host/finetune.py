@@ -26,10 +26,11 @@ from .run_config import HELD_OUT
 
 console = Console(stderr=True, soft_wrap=True)
 STEPS = 4
+SEQ_ROUND, SEQ_MAX = 16, 512  # --seq-len auto: a multiple of 16, never more than 512 (longer rows are cut)
 DEFAULT_CACHE = Path(os.environ.get("ZL_EXPORT_CACHE", Path.home() / ".cache" / "zerolock" / "exports"))
 
 
-def add_parser(sub, add_generation_args, lrs, fraction) -> None:
+def add_parser(sub, add_generation_args, lrs, fraction, alphas) -> None:
     f = sub.add_parser("finetune", help="export (cached), train on the phones, evaluate and write the adapters: one command",
                        description=__doc__.split("\n", 1)[1])
     f.add_argument("--model", required=True, help="as zl-export --model: a HF Llama dir, FILE.gguf, smollm2 or tiny")
@@ -40,9 +41,13 @@ def add_parser(sub, add_generation_args, lrs, fraction) -> None:
                                                   "N phones for emulated:N or a name list, else over 3)")
     f.add_argument("--out", default=None, help="run dir (default runs/TIMESTAMP)")
     f.add_argument("--cache", default=str(DEFAULT_CACHE), help="export cache (default %(default)s; $ZL_EXPORT_CACHE)")
-    for name, kind, default in (("--seq-len", int, 128), ("--micro-batch", int, 1), ("--lora-rank", int, 8),
+    f.add_argument("--seq-len", default="auto", help="as zl-export's, or auto (default): the longest row's tokens "
+                                                     f"rounded up to {SEQ_ROUND}, at most {SEQ_MAX}")
+    for name, kind, default in (("--micro-batch", int, 1), ("--lora-rank", int, 8),
                                 ("--lora-alpha", float, 16.0)):
         f.add_argument(name, type=kind, default=default, help="as zl-export's (default %(default)s)")
+    f.add_argument("--loss-positions", type=int, default=None,
+                   help="as zl-export's: answer positions a micro-batch reads out (default micro-batch x seq-len)")
     f.add_argument("--base-weights", default="fp32", help="as zl-export's: fp32, int8 or int4")
     f.add_argument("--backend", default="xnnpack", help="as zl-export's: xnnpack or portable")
     f.add_argument("--readout", default="auto", help="as zl-export's; a lens is calibrated on --data")
@@ -52,6 +57,8 @@ def add_parser(sub, add_generation_args, lrs, fraction) -> None:
     f.add_argument("--lr", type=lrs, default=2e-3, help="AdamW's learning rate, one value or one per stage")
     f.add_argument("--held-out", type=fraction, default=HELD_OUT,
                    help="share of D kept out of training and evaluated on (default %(default)s)")
+    f.add_argument("--alpha", type=alphas, default=None, help="as zl-host run's: the task/consistency blend, one value "
+                                                                "or one per stage")
     add_generation_args(f)
     f.set_defaults(func=cmd_finetune)
 
@@ -70,13 +77,17 @@ def cmd_finetune(a) -> int:
     except DataError as e:
         raise CliError(str(e)) from None
     console.print(f"data: {a.data}: {len(examples)} rows", markup=False)
+    if a.seq_len == "auto":
+        a.seq_len = auto_seq_len(a.model, examples)
+    elif not str(a.seq_len).isdigit():
+        raise CliError(f"--seq-len {a.seq_len!r}: give a number of tokens or auto")
     program = cached_export(a)
     step(2, f"train on {a.devices}")
     from .run_config import RunConfig
     from .run_job import run
 
     run_dir = run(RunConfig(program=str(program), data=a.data, devices=a.devices, steps=a.steps, epochs=a.epochs,
-                            window=a.window, lr=a.lr, held_out=a.held_out, out=a.out))
+                            window=a.window, lr=a.lr, alpha=a.alpha, held_out=a.held_out, out=a.out))
     step(3, "eval on the held-out share: base model against the adapter")
     from .eval_command import run_eval
 
@@ -140,7 +151,8 @@ def export_plan(a) -> tuple[Path, dict, object, str | None]:
         ns = build_parser().parse_args(["--model", a.model, "--chunks", chunks, "--out", "-", "--seq-len", str(a.seq_len),
                                         "--micro-batch", str(a.micro_batch), "--lora-rank", str(a.lora_rank),
                                         "--lora-alpha", str(a.lora_alpha), "--base-weights", a.base_weights,
-                                        "--backend", a.backend, "--readout", a.readout, "--calibration-data", a.data])
+                                        "--backend", a.backend, "--readout", a.readout, "--calibration-data", a.data]
+                                       + (["--loss-positions", str(a.loss_positions)] if a.loss_positions else []))
         cfg = config_from_args(ns)
         readout, calibration = readout_from_args(ns)
     except (ExportError, ManifestError) as e:
@@ -149,6 +161,32 @@ def export_plan(a) -> tuple[Path, dict, object, str | None]:
                 "calibration": data_identity(calibration) if readout == "lens" and calibration else None}
     key = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
     return Path(a.cache) / key, settings, cfg, calibration
+
+
+def auto_seq_len(model: str, examples) -> int:
+    """The longest row's tokens with the model's own tokenizer (and chat template), rounded up."""
+    from exporter.errors import ExportError
+    from exporter.model_source import resolve_model
+    from zl_common.data import encode_examples
+
+    try:
+        source, path = resolve_model(model)
+    except ExportError as e:
+        raise CliError(str(e)) from None
+    if source == "tiny":
+        from exporter.tiny_tokenizer import build_tiny_tokenizer
+        tok = build_tiny_tokenizer()
+    elif source in ("gguf", "smollm2"):
+        from exporter.gguf_model import load_gguf_tokenizer
+        tok = load_gguf_tokenizer(path)
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
+    longest = max(len(e.input_ids) for e in encode_examples(examples, tok, 1 << 30))
+    seq_len = min(SEQ_MAX, -(-longest // SEQ_ROUND) * SEQ_ROUND)
+    console.print(f"seq-len {seq_len}: the longest row has {longest} tokens"
+                  + (f" (longer rows are cut at {SEQ_MAX})" if longest > SEQ_MAX else ""), markup=False)
+    return seq_len
 
 
 def _phones(devices: str) -> int:

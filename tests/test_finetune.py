@@ -85,3 +85,16 @@ def test_finetune_a_chat_file_end_to_end(small_model_dir, tmp_path, capsys):
     # the key covers the settings and the model's files
     other = export_plan(build_parser().parse_args(args[:-4] + ["--lora-rank", "2", "--cache", str(tmp_path / "cache")]))
     assert other[0] != program and other[1]["config"]["lora_rank"] == 2
+
+
+def test_seq_len_auto_fits_the_longest_row_with_the_models_tokenizer(small_model_dir, capsys):
+    from host.finetune import auto_seq_len
+
+    def chat(words):
+        return {"messages": [{"role": "user", "content": " ".join(["the"] * words)},
+                             {"role": "assistant", "content": "sports"}]}
+    # <s> user : the x N \n assistant : sports </s>: N + 7 tokens with the fallback template
+    assert auto_seq_len(str(small_model_dir), [chat(2)]) == 16
+    assert auto_seq_len(str(small_model_dir), [chat(2), chat(10)]) == 32
+    assert "the longest row has 17 tokens" in capsys.readouterr().err
+    assert auto_seq_len(str(small_model_dir), [chat(600)]) == 512
