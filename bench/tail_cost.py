@@ -37,7 +37,11 @@ def main(argv=None) -> int:
     p.add_argument("--lens-rows", type=int, default=64, help="training rows the lenses are fitted on (cost only)")
     p.add_argument("--cache", default=os.environ.get("ZL_SMOLLM2_CACHE", "/tmp/zl_smollm2_fp32"))
     p.add_argument("--out", default=str(ROOT / "bench" / "results" / "tail_cost.json"))
+    p.add_argument("--render", metavar="JSON", help="only print the markdown table of a results file")
     a = p.parse_args(argv)
+    if a.render:
+        print(markdown(json.loads(Path(a.render).read_text())))
+        return 0
     import torch
 
     from bench.quality_tasks import load_task
@@ -85,7 +89,25 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
+    print(markdown(res))
     return 0
+
+
+def markdown(res) -> str:
+    """The cost table: CPU seconds per micro-batch per chunk, and the frozen layers each chunk's readout runs."""
+    rows = res["rows"]
+    base = next((r for r in rows if r["depth"] == "0"), None)
+    k = len(res["chunks"])
+    lines = [f"| tail:D | CPU s per micro-batch, chunk " + " / ".join(map(str, range(k))) + " | vs tail:0 | "
+             "frozen layers run beside the chunk's own (" + " / ".join(str(n) for n in rows[0]["chunk_layers"]) + ") |",
+             "|---|---|---|---|"]
+    for r in rows:
+        c = r["cpu_seconds_per_micro_batch"]
+        rel = " / ".join(f"{x / y:.2f}x" for x, y in zip(c, base["cpu_seconds_per_micro_batch"])) if base else "-"
+        tl = list(r["tail_layers"])
+        lines.append(f"| {r['depth']} | " + " / ".join(f"{x:.2f}" for x in c) + f" | {rel} | "
+                     + " / ".join(str(x) for x in tl) + f" (chunk 0's p_k-1: +{r['embedding_tail_layers']}, forward only) |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
