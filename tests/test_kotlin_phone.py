@@ -329,6 +329,7 @@ def test_kotlin_phone_hello_reports_its_budget(built, tmp_path):
     from host.kotlin_phone import txt_for
     from zl_mobile.memlimit import available_bytes
     from zl_mobile.protocol import host_handshake
+    from zl_mobile.telemetry import total_memory_bytes
 
     def hello_of(phone):
         with socket.create_connection(("127.0.0.1", phone.port), timeout=10) as s:
@@ -349,6 +350,7 @@ def test_kotlin_phone_hello_reports_its_budget(built, tmp_path):
         assert txt_for(budgeted)["cpu_share"] == "0.5"
         h = hello_of(plain)
         assert "cpu_share" not in h and "cpu_share" not in txt_for(plain)
+        assert h["memory_bytes"] == total_memory_bytes()  # the device's RAM, as zl-phone's (issue 51: not -Xmx)
         assert h["cores"] == len(os.sched_getaffinity(0))
         # MemAvailable read afresh at the handshake: near this reading, not a fixed number
         assert abs(h["memory_budget_bytes"] - available_bytes()) < 512 * 2**20
