@@ -489,12 +489,12 @@ def test_stage_assign_that_does_not_fit_the_program(phone, small_export):
         # only the manifest: the chunk's files are missing
         manifest_bytes = (out / "manifest.json").read_bytes()
         assert s.push("manifest.json", manifest_bytes, kind="manifest")["ok"] is True
-        _rejected(s, _assign_meta(manifest, 0), f"{chunk0['program']} is not on this device", "push it")
+        _rejected(s, _assign_meta(manifest, 0), f"\"{chunk0['program']}\" is not on this device", "push it")
         # chunk 0's files pushed, chunk 1's not
         for key, kind in (("program", "program"), ("weights", "weights"), ("lora_init", "other")):
             data = (out / chunk0[key]).read_bytes()
             assert s.push(chunk0[key], data, kind=kind)["ok"] is True
-        _rejected(s, _assign_meta(manifest, 1), f"{chunk1['program']} is not on this device")
+        _rejected(s, _assign_meta(manifest, 1), f"\"{chunk1['program']}\" is not on this device")
         # wrong num_stages; a stage index past the export's chunks
         _rejected(s, _assign_meta(manifest, 0, num_stages=2), "stage 0 of 2 does not fit", "3 chunks")
         _rejected(s, _assign_meta(manifest, 3, num_stages=4), "stage 3 of 4 does not fit", "3 chunks")
@@ -502,7 +502,7 @@ def test_stage_assign_that_does_not_fit_the_program(phone, small_export):
         _rejected(s, _assign_meta(manifest, 0, upstream_token=DROP), "upstream_token")
         # the program_sha256 of another chunk
         _rejected(s, _assign_meta(manifest, 0, program_sha256=by_path[chunk1["program"]]["sha256"]),
-                  "program_sha256", f"chunk 0's program ({chunk0['program']})")
+                  "program_sha256", f"chunk 0's program (\"{chunk0['program']}\")")
         log.wait_line("REJECTED:", "program_sha256")
         # a well-formed, fitting assignment is accepted after all that
         meta = _assign_meta(manifest, 0)
