@@ -121,15 +121,15 @@ def small_export(small_model_dir, tmp_path_factory):
 def small_export_tail(small_model_dir, tmp_path_factory):
     """The small model in the same three chunks with --readout tail:1 (portable): chunk 0's tail
     ends mid-model (a lens after layer 1), chunk 1's at the top (the final norm), chunk 2 has
-    none; with the eager backend's weights. (out_dir, manifest, artifacts, cfg)."""
+    none; with the eager backend's weights. (out_dir, manifest, artifacts, cfg). Not shared_once:
+    the lens fit leaves transformers' output hooks on the layers, which do not pickle; only
+    tests/test_readout_tail.py uses it (one xdist group)."""
     from exporter.export import export_model
 
-    def build(d):
-        cfg = small_export_config(readout="tail:1")
-        manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, d / "out", cfg, eager_weights=True)
-        return d / "out", manifest, artifacts, cfg
-
-    return shared_once(tmp_path_factory, "small_export_tail", build)
+    cfg = small_export_config(readout="tail:1")
+    out = tmp_path_factory.mktemp("export_tail") / "out"
+    manifest, artifacts = export_model(str(small_model_dir), SMALL_CHUNKS, out, cfg, eager_weights=True)
+    return out, manifest, artifacts, cfg
 
 
 def _quantized_export(base_weights, small_model_dir, tmp_path_factory, **cfg_kw):
