@@ -519,7 +519,9 @@ def depth(a):
     runs = load_cells(Path(a.cells))
     planned = [(t, m, b, a.split, s) for t in a.tasks for m in a.methods if Q.tail_depth(m) is not None
                for b in a.budgets for s in a.seeds]
-    text = depth_table(runs, a.lrs, planned)
+    text = ("Each tail:D cell beside BP and the default (tail:0) at their swept LRs, same task, budget, split and "
+            "seed (exact match for the generative task; wall seconds on shared 2-core machines, CPU seconds where "
+            "the cell recorded them):\n\n" + depth_table(runs, a.lrs, planned))
     if a.notes:
         text += "\n\n" + Path(a.notes).read_text()
     print(text)
