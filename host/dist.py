@@ -43,12 +43,11 @@ import torch.distributed as dist
 
 from .plan import RunSettings
 
-from zl_mobile.adamw import AdamWConfig
-from zl_mobile.checkpoint import Checkpoint, CheckpointStore, restore_training_state
+from zl_mobile.checkpoint import CheckpointStore
 from zl_mobile.readout import readout_positions
 from zl_mobile.schedules import schedule
-from zl_mobile.stage import FAILURE_EXIT_CODE, FAILURE_POINTS
-from zl_mobile.telemetry import ActivityClock, read_pss_bytes, read_temperature_c, take_peak_rss_bytes
+from zl_mobile.stage_core import FAILURE_POINTS, Faults, StageCore, present
+from zl_mobile.telemetry import read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "zerobubble")
 STORE = None  # this attempt's rendezvous store (commit notices go through it)
@@ -141,7 +140,8 @@ def load_run_inputs(a):
 
 # ------------------------------------------------------------------ the rank's stage
 class DistStage:
-    """Chunk k on rank k: the schedule's actions, hidden states over torch.distributed p2p."""
+    """Chunk k on rank k: the schedule's actions, hidden states over torch.distributed p2p; the
+    training itself is the phones' (zl_mobile/stage_core.StageCore)."""
 
     def __init__(self, a, manifest: dict, train: list, windows: int, device: torch.device, ctrl, wire_device):
         from zl_mobile.eager_program import EagerChunkProgram
@@ -170,19 +170,18 @@ class DistStage:
         run_dir = Path(a.out)
         self.run_dir = run_dir
         self.store = CheckpointStore(run_dir / "stages" / f"stage_{self.k}")
-        self.store.fail_hook = lambda point: self._maybe_fail(point, self._window)
         self.log_dir = run_dir / "stages" / f"stage_{self.k}" / "sent"  # replay log of the h_k sent downstream
         self.log_dir.mkdir(parents=True, exist_ok=True)
         # micro-batches in the replay log, a restart's included (telemetry: replay_held)
         self.log_held: set[int] = {int(f.stem[3:]) for f in self.log_dir.glob("mb_*.pt")}
         self.log_held_peak = len(self.log_held)
-        self.lora, self.opt, self.committed, _ = restore_training_state(
-            Path(a.program) / chunk["lora_init"], self.program.lora_names, self.store,
-            AdamWConfig(lr=a.lr, weight_decay=a.weight_decay))
-        self.failures = [f for f in (a.inject_failure or []) if f["stage"] == self.k]
-        self.clock = ActivityClock()
-        self._window = self.committed + 1
-        self._acc, self._count, self._pending, self._stats = {}, {}, {}, {}
+        self.faults = Faults([f for f in (a.inject_failure or []) if f["stage"] == self.k], store=self.store,
+                             marker=lambda point, w: run_dir / f"failure-injected-{self.k}-{w}-{point}",
+                             on_fire=lambda point, w: self._record("FAILURE_INJECTED", {"window": w, "point": point}))
+        self.core = StageCore(self.program, Path(a.program) / chunk["lora_init"], self.store, stage=self.k,
+                              window_size=a.window, lr=a.lr, weight_decay=a.weight_decay, faults=self.faults)
+        self.clock = self.core.clock
+        self._pending = {}
         self.sends: deque = deque()       # outstanding isends (mb, work, tensor)
         self.recvs: dict[int, tuple] = {}  # preposted irecvs: mb -> (work, buffer)
         self.bytes_in = self.bytes_out = 0
@@ -197,10 +196,13 @@ class DistStage:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
 
-    # ---- records, as the phones' TELEMETRY lands in metrics.jsonl
+    lora = property(lambda self: self.core.lora)
+    opt = property(lambda self: self.core.opt)
+    committed = property(lambda self: self.core.committed)
+
+    # ---- records, as the phones' TELEMETRY lands in metrics.jsonl (NaN named in `nonfinite`, as theirs)
     def _record(self, type_: str, meta: dict) -> None:
-        rec = {"t": time.time(), "device": self.device_name, "stage": self.k, "type": type_,
-               **{k: v for k, v in meta.items() if v is not None}}
+        rec = {"t": time.time(), "device": self.device_name, "stage": self.k, "type": type_, **present(meta)}
         self.metrics.write(json.dumps(rec) + "\n")
         self.metrics.flush()
         self.board.on_event(type_.lower(), rec)
@@ -313,16 +315,12 @@ class DistStage:
 
     def _forward(self, mb: int) -> None:
         w = mb // self.W
-        self._window = w
         batch = self._micro_batch(mb)
         received = None
         if self.k > 0:
             batch[self.first_input] = self._receive(mb)
             received = time.time()
-        t0 = time.time()
-        with self.clock.span("phase1"):
-            _, saved = self.program.phase1(self.lora, batch)
-        t1 = time.time()
+        _, saved, t = self.core.phase1(mb, self.lora, batch)
         forwarded = None
         if self.k + 1 < self.world and mb >= self._down_start:
             h = saved["_autograd"].h  # on the rank's device; h_out is its CPU copy
@@ -330,37 +328,18 @@ class DistStage:
             self._send(mb, h)  # early forwarding: the send starts before phase 2
             forwarded = time.time()
         self._pending[mb] = {"saved": saved, "batch": batch, "window": w,
-                             "t": {"phase1_start": t0, "phase1_end": t1, "published": forwarded, "received": received},
-                             "forwarded": forwarded}
-        self._maybe_fail("after-phase1", w)
+                             "t": {**t, "published": forwarded, "received": received}, "forwarded": forwarded}
+        self.faults.fail("after-phase1", w)
 
     def _local_step(self, mb: int) -> None:
         p = self._pending.pop(mb)
-        t0 = time.time()
-        with self.clock.span("phase2"):
-            res = self.program.phase2(self.lora, p["saved"], p["batch"])
-        del p["saved"]
-        acc = self._acc.setdefault(p["window"], {n: torch.zeros_like(t) for n, t in self.lora.items()})
-        for n, g in res.grads.items():
-            acc[n].add_(g)
-        self._count[p["window"]] = self._count.get(p["window"], 0) + 1
-        now = time.time()
-        losses = {"loss": res.loss, "task_loss": res.task_loss, "consis_loss": res.consis_loss}
-        ws = self._stats.setdefault(p["window"], {"n": 0, "phase1_s": 0.0, "phase2_s": 0.0, "sums": {}, "rss": 0})
+        losses = self.core.local_step(p["window"], self.lora, p.pop("saved"), p["batch"], p["t"])
         peak = take_peak_rss_bytes()
-        ws["n"] += 1
-        ws["phase1_s"] += p["t"]["phase1_end"] - p["t"]["phase1_start"]
-        ws["phase2_s"] += now - t0
-        ws["rss"] = max(ws["rss"], peak or 0)
+        self.core.note_rss_peak(p["window"], peak)
         self.peak_rss = max(self.peak_rss, peak or 0)
-        for key, v in losses.items():
-            ws["sums"][key] = ws["sums"].get(key, 0.0) + v
         self._record("TELEMETRY", {
-            "kind": "micro_batch", "stage": self.k, "micro_batch": mb, "window": p["window"],
-            "step": self.opt.step_count, "schedule": "zerolock", **losses, **p["t"], "phase2_start": t0,
-            "phase2_end": now, "forwarded": p["forwarded"], "active_s": self.clock.active_s,
-            "wait_s": self.clock.wait_s, "wait_downstream_s": self.clock.wait_downstream_s,
-            "cpu_s": time.process_time(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
+            **self.core.micro_batch_record(mb, p["window"], losses, p["t"]), "forwarded": p["forwarded"],
+            "bytes_in": self.bytes_in, "bytes_out": self.bytes_out,
             "replay_held": len(self.log_held) if self.k < self.world - 1 else None,
             "replay_held_peak": self.log_held_peak if self.k < self.world - 1 else None,
             "pss_bytes": read_pss_bytes(), "rss_peak_bytes": peak, "temperature_c": read_temperature_c(),
@@ -374,48 +353,24 @@ class DistStage:
                 "cpu_s": time.process_time(), "bytes_in": self.bytes_in, "bytes_out": self.bytes_out}
 
     def _end_window(self, w: int) -> None:
-        acc = self._acc.pop(w)
-        n = max(self._count.pop(w), 1)
-        t0, cpu0 = time.time(), time.process_time()
-        with self.clock.span("step"):
-            self.opt.step({k: g / n for k, g in acc.items()})
-            self._maybe_fail("before-commit", w)
-            if self.k > 0 and (w + 1) * self.W < self.total and self._failure_due("before-commit-behind", w):
-                self._prepost((w + 1) * self.W)
-                self.recvs[(w + 1) * self.W][0].wait()  # upstream has committed w: it sent window w + 1
-                self._maybe_fail("before-commit-behind", w)
-            sha = self.store.commit(Checkpoint(window=w, step=self.opt.step_count, lora=self.lora,
-                                               optimizer=self.opt.state_tensors(),
-                                               meta={"next_micro_batch": (w + 1) * self.W}))
-        self.committed = w
+        sha, rec = self.core.end_window(w, before_commit=lambda: self._before_commit_behind(w))
         if self.k > 0:  # tell upstream: it may drop the h_k of this window from its replay log
             self.rdzv.set(self._notice_key(self.k, w), "1")
-        ws = self._stats.pop(w, {"n": 0, "phase1_s": 0.0, "phase2_s": 0.0, "sums": {}, "rss": 0})
         now, then = self._counters(), self._mark
         self._mark = now
-        nmb = max(ws["n"], 1)
+        rss = rec.pop("_rss_peak")
         self._record("TELEMETRY", {
-            "kind": "window", "stage": self.k, "window": w, "step": self.opt.step_count, "schedule": "zerolock",
-            "micro_batches": ws["n"], **{k: v / nmb for k, v in ws["sums"].items()},
-            "phase1_s": ws["phase1_s"], "phase2_s": ws["phase2_s"], "step_s": time.time() - t0,
-            "step_cpu_s": time.process_time() - cpu0, **{k: now[k] - then[k] for k in now}, "pss_bytes": read_pss_bytes(),
-            "rss_peak_bytes": max(ws["rss"], take_peak_rss_bytes() or 0) or None,
+            **rec, **{k: now[k] - then[k] for k in now}, "pss_bytes": read_pss_bytes(),
+            "rss_peak_bytes": max(rss, take_peak_rss_bytes() or 0) or None,
             "temperature_c": read_temperature_c(), "cuda_max_allocated_bytes": self._cuda_peak()})
         self._record("CHECKPOINT_COMMITTED", {"window": w, "step": self.opt.step_count, "sha256": sha})
 
-    def _failure_due(self, point: str, window: int) -> bool:
-        return (any(f["point"] == point and f["window"] == window for f in self.failures)
-                and not (self.run_dir / f"failure-injected-{self.k}-{window}-{point}").exists())
-
-    def _maybe_fail(self, point: str, window: int) -> None:
-        if not self._failure_due(point, window):
-            return
-        marker = self.run_dir / f"failure-injected-{self.k}-{window}-{point}"
-        marker.write_text("injected")
-        self._record("FAILURE_INJECTED", {"window": window, "point": point})
-        if point == "mid-checkpoint":  # leave a half-written checkpoint behind, as a crash would
-            self.store.tear_pending()
-        os._exit(FAILURE_EXIT_CODE)
+    def _before_commit_behind(self, w: int) -> None:
+        """The rank-only fault point: die before committing `w` once upstream has committed it."""
+        if self.k > 0 and (w + 1) * self.W < self.total and self.faults.due("before-commit-behind", w):
+            self._prepost((w + 1) * self.W)
+            self.recvs[(w + 1) * self.W][0].wait()  # upstream has committed w: it sent window w + 1
+            self.faults.fail("before-commit-behind", w)
 
     def lora_state(self) -> dict:
         return {n: t.numpy().copy() for n, t in self.lora.items()}

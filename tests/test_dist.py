@@ -68,6 +68,18 @@ def dist_runs(small_export, data_file, tmp_path_factory):
     return out
 
 
+@pytest.fixture(scope="module")
+def uneven_data_file(tmp_path_factory) -> Path:
+    """Answers of 1, 2 and 3 tokens: micro-batches with different numbers of valid positions,
+    where the window's token-level mean and the mean of micro-batch means differ."""
+    from zl_common.data import load_examples
+
+    path = tmp_path_factory.mktemp("dist_uneven") / "uneven.jsonl"
+    path.write_text("".join(json.dumps({"prompt": e["prompt"], "completion": e["completion"] * (i % 3 + 1)}) + "\n"
+                            for i, e in enumerate(load_examples(None)[:40])))
+    return path
+
+
 def _train(export, data):
     from host.dist import load_run_inputs
 
@@ -226,3 +238,40 @@ def test_launcher_refuses_bad_options(small_export, data_file, tmp_path):
                         str(data_file), "--out", str(tmp_path / "x"), "--schedule", "pipedream"], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--schedule 'pipedream'" in r.stderr
+
+
+def test_ranks_equal_phones_on_uneven_answers(small_export, uneven_data_file, tmp_path):
+    """Answers of 1, 2 and 3 tokens: the ranks weight each micro-batch by its valid positions, as
+    the phones do (zl_mobile/accumulate.py), so both train to the same LoRA."""
+    from host.plan import RunSettings
+
+    out = small_export[0]
+    _, train = _train(out, uneven_data_file)
+    positions = [int((b["labels"] != -100).sum()) for b in train[:WINDOWS * WINDOW]]
+    assert len(set(positions)) > 1, positions  # the windows' micro-batches are uneven
+    run = tmp_path / "uneven"
+    _torchrun(out, uneven_data_file, run)
+    settings = RunSettings(windows=WINDOWS, window_size=WINDOW, lr=2e-3, inflight_depth=2)
+    result, _ = run_pipeline(out, tmp_path, settings, train, phone_args=["--backend", "eager", "--threads", "1"])
+    assert not result["errors"]
+    got = _adapter(run)
+    assert set(got) == set(result["lora"])
+    for n, v in result["lora"].items():
+        assert np.abs(got[n].numpy() - v).max() <= 1e-6, n
+
+
+def _strict_json(line: str) -> dict:
+    def refuse(name):
+        raise ValueError(f"{name} is not JSON")
+    return json.loads(line, parse_constant=refuse)
+
+
+def test_nan_loss_is_named_in_nonfinite(small_export, data_file, tmp_path):
+    """A NaN loss (here from a NaN task/consistency blend: an absurd LR saturates instead) is left
+    out of zl-dist's JSON and named in `nonfinite`, as the phones' telemetry does; never a bare NaN."""
+    run = tmp_path / "nan"
+    _torchrun(small_export[0], data_file, run, "--alpha", "nan")
+    for f in sorted((run / "ranks").glob("rank_*.jsonl")):  # what each rank wrote, strict JSON too
+        [_strict_json(x) for x in f.read_text().splitlines()]
+    recs = [_strict_json(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert any("loss" in r.get("nonfinite", ()) for r in recs if r["type"] == "TELEMETRY")

@@ -4,14 +4,15 @@ Per micro-batch: take h_{k-1} from the inbound queue, phase 1, publish h_k downs
 (early forwarding), phase 2 (local loss + LoRA grads), accumulate. At the end of each update
 window: AdamW step, then an atomic checkpoint, then tell the host and the upstream stage (which
 may then prune its replay buffer). After a restart the stage resumes at the first micro-batch
-after its last committed window, so no window is lost or applied twice."""
+after its last committed window, so no window is lost or applied twice.
+
+This module is the phone's transport (TCP links, the host session, replay buffer); the training
+itself (restore, accumulate, step, commit, window statistics, faults) is stage_core.StageCore,
+which host/dist.py's ranks run too."""
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
-import os
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,23 +21,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .accumulate import WindowGradients
-from .adamw import AdamWConfig
-from .checkpoint import Checkpoint, CheckpointStore, restore_training_state
+from .checkpoint import CheckpointStore
 from .links import STALL_S, InboundLink, InboundQueue, OutboundLink, link_frame_limit, unusable_reason
 from zl_common.program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
 from .replay_store import ReplayStore
 from .schedules import forwards_held, schedule
-from .telemetry import (ActivityClock, PssSampler, read_pss_by_backing, read_pss_bytes, read_temperature_c,
-                        runtime_pss_bytes, take_peak_rss_bytes)
+from .stage_core import (FAILURE_EXIT_CODE, FAILURE_POINTS, SLOW_POINT, STALL_POINT, AppFailure as _AppFailure,  # noqa: F401
+                         Faults, StageCore, present as _present)
+from .telemetry import PssSampler, read_pss_by_backing, read_pss_bytes, read_temperature_c, runtime_pss_bytes, take_peak_rss_bytes
 
 log = logging.getLogger("zl_mobile.stage")
-FAILURE_POINTS = ("after-phase1", "before-commit", "mid-checkpoint")
-STALL_POINT = "hold-gil-in-phase1"  # not a failure: phase 1 holds the interpreter for `seconds` more
-SLOW_POINT = "slow-phase1"  # not a failure: every phase 1 (of `window`, or of all when absent) sleeps `seconds` more
-FAILURE_EXIT_CODE = 86
 
 
 @dataclass
@@ -103,21 +99,18 @@ class Stage:
         self.store = CheckpointStore(self.workdir / "stages" / cfg.run_id / f"stage_{self.k}", keep=cfg.keep_checkpoints)
         if cfg.rollback_to_window is not None:
             self.store.rollback(cfg.rollback_to_window)
-        self.store.fail_hook = lambda point: self._maybe_fail(point, self._window)
-        self.clock = ActivityClock()
-        self._window = -1
-
-        self.lora, self.opt, self.committed, ckpt = restore_training_state(
-            Path(export_dir) / chunk["lora_init"], self.program.lora_names, self.store,
-            AdamWConfig(lr=cfg.lr, weight_decay=cfg.weight_decay))
+        faults = Faults(cfg.inject_failure, store=self.store,
+                        marker=lambda point, w: self.workdir / f"failure-injected-{cfg.run_id}-{self.k}-{w}-{point}")
+        self.core = StageCore(self.program, Path(export_dir) / chunk["lora_init"], self.store, stage=self.k,
+                              window_size=cfg.window_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
+                              schedule=cfg.schedule, faults=faults, busy=self._busy)
+        self.clock = self.core.clock
+        ckpt = self.core.checkpoint
         W = cfg.window_size
-        self.next_mb = (self.committed + 1) * W
-        self._acc = WindowGradients(self.lora)  # window -> token-weighted LoRA grads (accumulate.py)
+        self.next_mb = self.core.next_micro_batch
         self._pending: dict[int, dict] = {}   # micro-batch -> what its L/B step needs (saved activations...)
         self.grads_in = InboundQueue(drop_older=False)  # BP: dL/dh_k from downstream, by micro-batch
-        self.done_micro_batches = 0
         take_peak_rss_bytes()  # peaks count from here, not from loading
-        self._window_stats: dict[int, dict] = {}  # window -> sums for its TELEMETRY "window" record
 
         self.queue = InboundQueue()
         max_frame = link_frame_limit(self._link_elements())
@@ -144,6 +137,12 @@ class Stage:
         self._thread = threading.Thread(target=self._run, name=f"stage{self.k}", daemon=True)
         self._thread.start()
         log.info("stage %d: resumed after window %d, next micro-batch %d", self.k, self.committed, self.next_mb)
+
+    # the core's state, read by the device (STATE_GET, RESUME_STATE)
+    lora = property(lambda self: self.core.lora)
+    opt = property(lambda self: self.core.opt)
+    committed = property(lambda self: self.core.committed)
+    done_micro_batches = property(lambda self: self.core.done_micro_batches)
 
     @property
     def data_port(self) -> int:
@@ -179,7 +178,7 @@ class Stage:
         if not self._thread.is_alive():
             # the program holds the .pte/.ptd descriptors (and its mapped weights): a replaced stage
             # gives them back now, not whenever the collector finds this object's cycles
-            self.program = None
+            self.program = self.core.program = None
 
     # ---- the loop: run the schedule's actions in order
     def _run(self) -> None:
@@ -235,15 +234,10 @@ class Stage:
         W = self.cfg.window_size
         if w != mb // W:
             raise ValueError(f"micro-batch {mb} labelled window {w}, expected {mb // W} for window size {W}")
-        self._window = w
         batch = self._batch(msg)
         # PipeDream's weight stashing: the backward must use the weights this forward used
         lora = {n: t.clone() for n, t in self.lora.items()} if self.cfg.schedule == "pipedream" else self.lora
-        t0 = time.time()
-        with self.clock.span("phase1"), self._busy():
-            self._maybe_stall(w)
-            h, saved = self.program.phase1(lora, {**batch, **self._probe})
-        t1 = time.time()
+        h, saved, t = self.core.phase1(mb, lora, {**batch, **self._probe})
         if self.outbound is not None:
             extras = {k: v for k, v in msg.tensors.items() if k != "h"}
             self.outbound.publish(Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": w},
@@ -251,20 +245,15 @@ class Stage:
             self.outbound.pump()
             self.outbound.persist(mb)
         self._pending[mb] = {"saved": saved, "batch": batch, "lora": lora, "window": w,
-                             "t": {"phase1_start": t0, "phase1_end": t1, "published": time.time(),
-                                   "received": self.inbound.received_at.pop(mb, None)}}
-        self._maybe_fail("after-phase1", w)
+                             "t": {**t, "published": time.time(), "received": self.inbound.received_at.pop(mb, None)}}
+        self.core.faults.fail("after-phase1", w)
 
     def _local_step(self, mb: int) -> None:
-        """ZeroLock phase 2: local loss and LoRA grads from what phase 1 saved."""
+        """ZeroLock phase 2: local loss and LoRA grads from what phase 1 saved (none when forward-only)."""
         p = self._pending.pop(mb)
-        t0 = time.time()
-        with self.clock.span("phase2"), self._busy():
-            res = self.program.phase2(p["lora"], p["saved"], p["batch"])
-        p["t"]["phase2_start"] = t0
-        del p["saved"]  # saved activations go as soon as phase 2 has run
-        self._accumulate(p["window"], res.grads, p["batch"]["loss_weight"])
-        self._telemetry(mb, p, {"loss": res.loss, "task_loss": res.task_loss, "consis_loss": res.consis_loss})
+        # the saved activations go as soon as phase 2 has run: only the core holds them
+        losses = self.core.local_step(p["window"], p["lora"], p.pop("saved"), p["batch"], p["t"])
+        self._telemetry(mb, p, losses)
 
     def _backward(self, mb: int) -> None:
         """BP baselines: backward from dL/dh_k (or the loss, on the last stage); dL/dh_{k-1} goes upstream."""
@@ -281,26 +270,19 @@ class Stage:
         if "grad_h_in" in out and self.k > 0:
             self.inbound.send_gradient(mb, out["grad_h_in"].detach().clone().numpy())
         grads = {n[5:]: t for n, t in out.items() if n.startswith("grad:")}
-        self._accumulate(p["window"], grads, p["batch"]["loss_weight"])
         loss = float(out["loss"]) if "loss" in out else None
-        self._telemetry(mb, p, {"loss": loss, "task_loss": loss})
-
-    def _accumulate(self, w: int, grads: dict, loss_weight: torch.Tensor) -> None:
-        self._acc.add(w, grads, float(loss_weight.sum()))  # weighted by the micro-batch's valid positions
-        self.done_micro_batches += 1
+        losses = {"loss": loss, "task_loss": loss}
+        self.core.add(p["window"], grads, p["batch"]["loss_weight"], p["t"], losses)
+        self._telemetry(mb, p, losses)
 
     def _telemetry(self, mb: int, p: dict, losses: dict) -> None:
         pss = self._pss.read()  # after phase 2: the saved activations are gone, so near the resting level
         mb_peak = take_peak_rss_bytes()  # this micro-batch's peak RSS, inside phases 1 and 2 included
-        now = time.time()
-        self._add_window_stats(p["window"], p["t"], losses, now, mb_peak or 0)
+        self.core.note_rss_peak(p["window"], mb_peak)
         self.to_host(Message(MsgType.TELEMETRY, _present({
-            "kind": "micro_batch", "stage": self.k, "micro_batch": mb, "window": p["window"],
-            "step": self.opt.step_count, "schedule": self.cfg.schedule, **losses, **p["t"], "phase2_end": now,
+            **self.core.micro_batch_record(mb, p["window"], losses, p["t"]),
             # when h_k was handed to the link (None: no credit yet, the link thread sends it later)
             "forwarded": self.outbound.sent_at.pop(mb, None) if self.outbound else None,
-            "active_s": self.clock.active_s, "wait_s": self.clock.wait_s,
-            "wait_downstream_s": self.clock.wait_downstream_s, "cpu_s": time.process_time(),
             "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out(),
             "replay_held": self.outbound.held() if self.outbound else None,
             "replay_held_peak": self.outbound.peak_buffered if self.outbound else None,
@@ -308,17 +290,6 @@ class Stage:
             "readout_dropped": p["batch"]["_dropped"], "in_flight": len(self._pending),
             "spans": [[k, a, b] for k, a, b in self.clock.drain_spans()],
         })))
-
-    def _add_window_stats(self, w: int, t: dict, losses: dict, now: float, rss_peak: int) -> None:
-        ws = self._window_stats.setdefault(w, {"micro_batches": 0, "phase1_s": 0.0, "phase2_s": 0.0, "sums": {},
-                                               "rss_peak": 0})
-        ws["micro_batches"] += 1
-        ws["rss_peak"] = max(ws["rss_peak"], rss_peak)
-        ws["phase1_s"] += t["phase1_end"] - t["phase1_start"]
-        ws["phase2_s"] += now - t["phase2_start"]
-        for k, v in losses.items():
-            if v is not None:
-                ws["sums"][k] = ws["sums"].get(k, 0.0) + v
 
     def _bytes_out(self) -> int:
         return self.outbound.bytes_sent if self.outbound else 0
@@ -329,20 +300,14 @@ class Stage:
                 "cpu_s": time.process_time(),  # the process's, every thread: what a CPU budget counts
                 "bytes_in": self.inbound.bytes_received, "bytes_out": self._bytes_out()}
 
-    def _window_telemetry(self, w: int, step_s: float, step_cpu_s: float) -> None:
-        """One record per update window: mean losses, time split, traffic and the window's peak RSS."""
-        ws = self._window_stats.pop(w, None)
-        if ws is None:
-            return
-        n = ws["micro_batches"]
+    def _window_telemetry(self, rec: dict) -> None:
+        """One record per update window: the core's (mean losses, time split), traffic and the window's peak RSS."""
         now, then = self._counters(), self._window_mark
         self._window_mark = now
+        rss_peak = rec.pop("_rss_peak")
         self.to_host(Message(MsgType.TELEMETRY, _present({
-            "kind": "window", "stage": self.k, "window": w, "step": self.opt.step_count, "schedule": self.cfg.schedule,
-            "micro_batches": n, **{k: v / n for k, v in ws["sums"].items()},
-            "phase1_s": ws["phase1_s"], "phase2_s": ws["phase2_s"], "step_s": step_s, "step_cpu_s": step_cpu_s,
-            **{k: now[k] - then[k] for k in now},  # active/wait time, wall time and traffic of this window
-            "pss_bytes": read_pss_bytes(), "rss_peak_bytes": max(ws["rss_peak"], take_peak_rss_bytes() or 0) or None,
+            **rec, **{k: now[k] - then[k] for k in now},  # active/wait time, wall time and traffic of this window
+            "pss_bytes": read_pss_bytes(), "rss_peak_bytes": max(rss_peak, take_peak_rss_bytes() or 0) or None,
             "temperature_c": read_temperature_c(), "pss_runtime_bytes": self.runtime_pss,
             "pss_weights_bytes": self._weights_pss_bytes(),
         })))
@@ -356,18 +321,9 @@ class Stage:
         return self._weights_pss or None
 
     def _end_window(self, w: int) -> None:
-        grads = self._acc.mean(w)  # the mean over the window's valid positions
-        t0, cpu0 = time.time(), time.process_time()
-        with self.clock.span("step"):
-            self.opt.step(grads)
-            self._maybe_fail("before-commit", w)
-            if self.outbound is not None:
-                self.outbound.sync()  # the window's hidden states are durable before its commit
-            sha = self.store.commit(Checkpoint(window=w, step=self.opt.step_count, lora=self.lora,
-                                               optimizer=self.opt.state_tensors(),
-                                               meta={"next_micro_batch": (w + 1) * self.cfg.window_size}))
-        self.committed = w
-        self._window_telemetry(w, time.time() - t0, time.process_time() - cpu0)
+        # the window's hidden states are durable before its commit
+        sha, rec = self.core.end_window(w, before_commit=self.outbound.sync if self.outbound is not None else lambda: None)
+        self._window_telemetry(rec)
         self.to_host(Message(MsgType.CHECKPOINT_COMMITTED, {"window": w, "step": self.opt.step_count, "sha256": sha,
                                                             "stage": self.k}))
         self.inbound.committed(w, self.opt.step_count, sha)
@@ -383,41 +339,6 @@ class Stage:
         finally:
             self.to_host(Message(MsgType.HEARTBEAT, {"seq": 0, "busy_ms": 0}))
 
-    def _maybe_stall(self, window: int) -> None:
-        """Test hooks: hold the interpreter like a long runtime call would (no other thread runs),
-        or make every phase 1 slower, as on a slower phone (other threads run meanwhile)."""
-        for sp in self.cfg.inject_failure or []:
-            if sp.get("point") == SLOW_POINT and sp.get("window") in (None, window):
-                time.sleep(sp["seconds"])
-            if sp.get("point") == STALL_POINT and sp.get("window") == window and not sp.get("_done"):
-                sp["_done"] = True
-                old = sys.getswitchinterval()
-                sys.setswitchinterval(sp["seconds"] + 1.0)
-                try:
-                    end = time.time() + sp["seconds"]
-                    while time.time() < end:
-                        pass
-                finally:
-                    sys.setswitchinterval(old)
-
-    # ---- fault injection (tests, benchmarks): kill this process at a named point, once
-    def _maybe_fail(self, point: str, window: int) -> None:
-        specs = self.cfg.inject_failure or []
-        spec = next((sp for sp in specs if sp.get("point", "after-phase1") == point and sp.get("window") == window), None)
-        if spec is None:
-            return
-        marker = self.workdir / f"failure-injected-{self.cfg.run_id}-{self.k}-{window}-{point}"
-        if marker.exists():
-            return
-        marker.write_text("injected")
-        mode = spec.get("mode", "process")
-        log.warning("stage %d: injected failure (%s) at %s of window %d", self.k, mode, point, window)
-        if point == "mid-checkpoint":  # leave a half-written checkpoint behind, as a crash would
-            self.store.tear_pending()
-        if mode == "app":  # the app lives on, the stage's memory is gone (see _run)
-            raise _AppFailure(spec.get("detect", "connection"))
-        os._exit(FAILURE_EXIT_CODE)
-
     def _drop_state(self, detect: str) -> None:
         """An in-app failure: the stage thread ends, its links close and its in-memory state (LoRA,
         optimizer, pending activations, gradients) is dropped; only what it committed to disk
@@ -425,7 +346,7 @@ class Stage:
         (`heartbeat`), and a new STAGE_ASSIGN restores the stage from its checkpoint."""
         self.stop()
         self._pending.clear()
-        self.lora = self.opt = self._acc = None
+        self.core.drop()
         if self.on_failure is not None:
             self.on_failure(self, detect)
 
@@ -440,24 +361,3 @@ class Stage:
 
 class _Stopped(Exception):
     """The stage was stopped while waiting."""
-
-
-class _AppFailure(Exception):
-    """Fault injection: the stage fails inside the running app (mode "app")."""
-
-    def __init__(self, detect: str):
-        super().__init__(detect)
-        self.detect = detect
-
-
-def _present(meta: dict) -> dict:
-    """Drop unavailable readings: absent on the wire, never a made-up value. A NaN or infinite
-    reading (a diverging run: a loss of NaN) has no JSON form: it is left out and its key listed
-    in `nonfinite` (PROTOCOL.md 5.5), so the host hears of the divergence and the stage goes on."""
-    out = {k: v for k, v in meta.items() if v is not None}
-    bad = sorted(k for k, v in out.items() if isinstance(v, float) and not math.isfinite(v))
-    for k in bad:
-        del out[k]
-    if bad:
-        out["nonfinite"] = bad
-    return out
