@@ -81,7 +81,10 @@ def cmd_finetune(a) -> int:
         a.seq_len = auto_seq_len(a.model, examples)
     elif not str(a.seq_len).isdigit():
         raise CliError(f"--seq-len {a.seq_len!r}: give a number of tokens or auto")
-    program = cached_export(a)
+    try:
+        program = cached_export(a)
+    except KeyboardInterrupt:  # not zl-host run's resume hint: there is no run yet
+        raise CliError("interrupted during the export: nothing was cached; run the same zl-host finetune again") from None
     step(2, f"train on {a.devices}")
     from .run_config import RunConfig
     from .run_job import run

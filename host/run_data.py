@@ -24,6 +24,10 @@ def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: b
         warning = check_rejected(examples)  # most rows bad: refused; some: said, then trained on the rest
         if warning:
             (warn or _stderr)(f"zl-host: warning: {warning}")
+        if any("messages" in ex for ex in examples):  # say which template renders the conversations
+            (warn or _stderr)("zl-host: chat rows rendered with " + (
+                "the tokenizer's own chat template" if getattr(tok, "chat_template", None) else
+                "the fallback template (the tokenizer has none; zl_common/data/chat.py)"))
         e = manifest["export"]
         mbs = tokenized_microbatches(examples, tok, e["seq_len"], e["micro_batch"],
                                      say=lambda line: (warn or _stderr)(f"zl-host: truncation: {line}"))
