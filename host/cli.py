@@ -137,9 +137,13 @@ def _alphas(text: str) -> float | list:
 
 
 def _lrs(text: str) -> float | list:
-    """'2e-3' -> 0.002; '3e-4,3e-4,3e-3' -> one per stage; each in (0, 100], as the phones' STAGE_ASSIGN rule."""
-    return _per_stage(text, "3e-4,3e-4,3e-3", lambda v: 0 < v <= 100,
-                      "{v} is not a learning rate: give values above 0 and at most 100")
+    """'2e-3' -> 0.002; '0,0,3e-3' -> one per stage; each in [0, 100], as the phones' STAGE_ASSIGN rule
+    (0: a forward-only stage); some stage must train."""
+    lrs = _per_stage(text, "0,0,3e-3", lambda v: 0 <= v <= 100,
+                     "{v} is not a learning rate: give values from 0 (a forward-only stage) to 100")
+    if not any(lrs if isinstance(lrs, list) else [lrs]):
+        raise argparse.ArgumentTypeError(f"{text}: every stage would be forward-only; give some stage an LR above 0")
+    return lrs
 
 
 def _non_negative(text: str) -> float:
@@ -196,7 +200,8 @@ def build_parser():
                    help="most hidden states a stage holds for its downstream's replay; when full it waits for the "
                         "downstream to commit (default 2 x window + in-flight depth; at least one window)")
     r.add_argument("--lr", type=_lrs, default=2e-3,
-                   help="AdamW's learning rate: one value, or one per stage (3e-4,3e-4,3e-3: the early stages slower)")
+                   help="AdamW's learning rate: one value, or one per stage (3e-4,3e-4,3e-3: the early stages slower; "
+                        "0,0,3e-3: stages 0 and 1 forward-only, phase 1 only, their LoRA left at the init)")
     r.add_argument("--alpha", type=_alphas, default=None,
                    help="override the export's task/consistency blend: one value, or one per stage (0.5,0.75,1: more "
                         "task weight deeper down, which measured best on SmolLM2; docs/BENCHMARKS.md, Quality)")

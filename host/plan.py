@@ -39,6 +39,13 @@ class RunSettings:
             if isinstance(v, list) and len(v) != num_stages:
                 raise PlanError(f"{opt} gives {len(v)} values for {num_stages} stages; give one for every "
                                 f"stage, or one per stage")
+        if self.forward_only_stages(num_stages) and self.schedule != "zerolock":
+            raise PlanError(f"--lr 0 (a forward-only stage) is a ZeroLock option; --schedule {self.schedule} "
+                            f"back-propagates through every stage")
+
+    def forward_only_stages(self, num_stages: int) -> list[int]:
+        """Stages whose LR is 0: phase 1 only, their LoRA left at the export's init."""
+        return [k for k in range(num_stages) if self.lr_for(k) == 0]
 
     @property
     def horizon(self) -> int:

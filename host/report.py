@@ -83,12 +83,16 @@ def write_report(run_dir: Path, summary: dict) -> Path:
                 f"{_num(r.get('consis_loss'))} | {r.get('rss_peak_bytes', 0) / 2**20:.0f} | {r['seconds']:.2f} | "
                 f"{100 * r['active_s'] / max(r['active_s'] + r['wait_s'], 1e-9):.0f}% | {r['bytes_out'] / 2**10:.0f} |"
                 for r in sorted(win, key=lambda r: (r["stage"], r["window"]))]
+    # from the settings where the host has them, else from the stages' window records (zl-dist)
+    forward_only = summary.get("forward_only_stages") or sorted({r["stage"] for r in win if r.get("forward_only")})
     md = [f"# ZeroLock run {summary.get('run_id', '')}", "",
           f"- program: `{summary.get('program')}`", f"- data: {summary.get('data')}",
           f"- micro-batches: {summary.get('micro_batches')}, window {summary.get('window_size')}, "
           f"steps {summary.get('windows')}, lr {summary.get('lr')}",
           f"- wall time: {summary.get('seconds', 0):.1f} s, throughput {summary.get('samples_per_s', 0):.2f} samples/s",
           f"- recoveries: {summary.get('recoveries', 0)}",
+          *([f"- forward-only stages (LR 0: phase 1 only, their LoRA left at the init): "
+             + ", ".join(map(str, forward_only))] if forward_only else []),
           *([f"- CPU budgets (share of one core, zl-phone --cpu-share): "
              + ", ".join(f"stage {k} {hello[k]['cpu_share']:g}" for k in sorted(hello) if "cpu_share" in hello[k])]
             if any("cpu_share" in h for h in hello.values()) else []), "",

@@ -285,7 +285,8 @@ def write_outputs(job: Job, result: dict, watch=None) -> None:
     summary = {"run_id": job.run_id, "program": str(job.program), "data": job.data or "synthetic",
                "windows": s.windows, "window_size": s.window_size, "micro_batches": s.micro_batches, "lr": s.lr,
                "seconds": result["seconds"], "samples_per_s": rows / result["seconds"],
-               "recoveries": len(result["recoveries"]), "link_bytes": result["link_bytes"], "errors": result["errors"]}
+               "recoveries": len(result["recoveries"]), "link_bytes": result["link_bytes"], "errors": result["errors"],
+               "forward_only_stages": s.forward_only_stages(job.stages)}
     if watch is not None:
         plan = job.plan
         summary["plan"] = {"file": str(Path(job.plan_path).absolute()), "chunks": plan["chunks"],

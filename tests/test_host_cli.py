@@ -303,8 +303,8 @@ def test_lr_per_stage_reaches_each_stage(small_export, data_file, tmp_path, caps
                  "--lr", "1e-3,1e-3", "--out", str(tmp_path / "r2")]) == 2
     assert "--lr gives 2 values for 3 stages" in _error_line(capsys)
     with pytest.raises(SystemExit):
-        main(["run", "--program", str(small_export[0]), "--lr", "1e-3,0,1e-3"])
-    assert "0 is not a learning rate" in capsys.readouterr().err
+        main(["run", "--program", str(small_export[0]), "--lr", "1e-3,-1,1e-3"])  # 0 is a forward-only stage
+    assert "-1 is not a learning rate" in capsys.readouterr().err
 
 
 def test_link_options_need_emulated_phones(small_export, data_file, tmp_path, capsys):

@@ -46,3 +46,11 @@ def test_the_vectors_cover_every_rule():
     fields = {c["field"] for c in VECTORS["cases"] if c["field"]}
     assert {"run_id", "downstream", "window_size", "config.lr", "config.keep_checkpoints", "listen_port",
             "inflight_depth", "replay_horizon", "schedule"} <= fields
+
+
+def test_zero_lr_is_a_forward_only_stage():
+    """LR 0 is accepted: the stage runs phase 1 only (zl_mobile/stage_core.py). The Kotlin core
+    still refuses it, so this case is not in the shared vectors yet."""
+    validate_assign(build({"set": {"config.lr": 0}, "drop": []}))
+    with pytest.raises(ProtocolError):
+        validate_assign(build({"set": {"config.lr": -1e-9}, "drop": []}))

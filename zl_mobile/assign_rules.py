@@ -96,8 +96,8 @@ def validate_assign(meta: dict) -> None:
 
 
 def _check_config(c: dict) -> None:
-    if "lr" in c and not (_number(c["lr"]) and 0 < c["lr"] <= 100):
-        raise _reject("config.lr", f"{quote_any(c['lr'])} must be a number above 0 and at most 100")
+    if "lr" in c and not (_number(c["lr"]) and 0 <= c["lr"] <= 100):  # 0: a forward-only stage (stage_core.py)
+        raise _reject("config.lr", f"{quote_any(c['lr'])} must be a number from 0 (forward-only) to 100")
     if "weight_decay" in c and not (_number(c["weight_decay"]) and 0 <= c["weight_decay"] <= 100):
         raise _reject("config.weight_decay", f"{quote_any(c['weight_decay'])} must be a number from 0 to 100")
     if c.get("alpha") is not None and not (_number(c["alpha"]) and 0 <= c["alpha"] <= 1):
