@@ -48,9 +48,8 @@ def test_the_vectors_cover_every_rule():
             "inflight_depth", "replay_horizon", "schedule"} <= fields
 
 
-def test_zero_lr_is_a_forward_only_stage():
-    """LR 0 is accepted: the stage runs phase 1 only (zl_mobile/stage_core.py). The Kotlin core
-    still refuses it, so this case is not in the shared vectors yet."""
-    validate_assign(build({"set": {"config.lr": 0}, "drop": []}))
+def test_a_forward_only_lr_is_zero_not_below():
+    """LR 0 (a forward-only stage, zl_mobile/stage_core.py) is accepted by the shared vectors; the
+    smallest step below it is not."""
     with pytest.raises(ProtocolError):
         validate_assign(build({"set": {"config.lr": -1e-9}, "drop": []}))

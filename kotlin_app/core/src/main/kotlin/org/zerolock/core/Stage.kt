@@ -30,6 +30,9 @@ class StageTrainer(
     val optimizer: AdamW,
     private val store: CheckpointStoreApi,
     initialParams: Map<String, FloatArray>,
+    /** A forward-only stage (LR 0 under ZeroLock, as zl_mobile's stage core): its windows commit with no
+     *  gradient and no optimizer step, so its LoRA stays the init. */
+    val forwardOnly: Boolean = false,
 ) {
     /** SKIPPED: an already committed window; WINDOW_COMPLETE: from [accumulate] only, commit next. */
     enum class Outcome { SKIPPED, ACCUMULATED, WINDOW_COMPLETE, COMMITTED }
@@ -110,7 +113,7 @@ class StageTrainer(
         if (mb != nextMicroBatch) {
             throw StageError("out_of_order", "expected micro-batch $nextMicroBatch, got $mb")
         }
-        accum.add(grads, validPositions)
+        if (!forwardOnly) accum.add(grads, validPositions)
         nextMicroBatch = mb + 1
         if (!windows.isLastOfWindow(mb)) return Outcome.ACCUMULATED
         pendingWindow = windows.windowOf(mb)
@@ -124,11 +127,14 @@ class StageTrainer(
      */
     fun commitWindow(): Long {
         val window = pendingWindow ?: throw StageError("no_complete_window", "no complete window to commit (next micro-batch $nextMicroBatch)")
-        val grad = accum.mean()
-        for (n in names) optimizer.step(params[n]!!, grad[n]!!, states[n]!!)
+        val stepped = if (forwardOnly) 0L else 1L
+        if (!forwardOnly) {
+            val grad = accum.mean()
+            for (n in names) optimizer.step(params[n]!!, grad[n]!!, states[n]!!)
+        }
         val ck = Checkpoint(
             lastCommittedWindow = window,
-            optimizerSteps = optimizerSteps + 1,
+            optimizerSteps = optimizerSteps + stepped,
             tensors = LinkedHashMap<String, Checkpoint.Tensor>().also { m ->
                 for (n in names) m[n] = Checkpoint.Tensor(params[n]!!, states[n]!!.expAvg, states[n]!!.expAvgSq)
             },
@@ -141,7 +147,7 @@ class StageTrainer(
             throw e
         }
         lastCommittedWindow = window
-        optimizerSteps += 1
+        optimizerSteps += stepped
         pendingWindow = null
         accum.reset()
         return window

@@ -153,11 +153,13 @@ data class TelemetryCounters(val activeS: Double, val waitS: Double, val seconds
  * `memory` adds the breakdown's readings (`pss_runtime_bytes`, `pss_weights_bytes`) that were made.
  * Not thread-safe: the stage's worker thread alone uses it.
  */
-class WindowTelemetry(private val stage: Int, private val schedule: String, start: TelemetryCounters) {
+class WindowTelemetry(private val stage: Int, private val schedule: String, start: TelemetryCounters,
+                      private val forwardOnly: Boolean = false) {
     private class Sums {
         var microBatches = 0L
         var phase1S = 0.0
         var phase2S = 0.0
+        var phase2Calls = 0L
         val losses = LinkedHashMap<String, Double>()
         var rssPeak: Long? = null
     }
@@ -166,9 +168,11 @@ class WindowTelemetry(private val stage: Int, private val schedule: String, star
     private var mark = start
 
     /** One trained micro-batch of [window] (its micro_batch record's figures). */
-    fun add(window: Long, phase1S: Double, phase2S: Double, loss: Double?, taskLoss: Double?, consisLoss: Double?, rssPeakBytes: Long?) {
+    fun add(window: Long, phase1S: Double, phase2S: Double, loss: Double?, taskLoss: Double?, consisLoss: Double?, rssPeakBytes: Long?,
+            phase2: Boolean = true) {
         val s = open.getOrPut(window) { Sums() }
         s.microBatches += 1
+        if (phase2) s.phase2Calls += 1
         s.phase1S += phase1S
         s.phase2S += phase2S
         for ((k, v) in listOf("loss" to loss, "task_loss" to taskLoss, "consis_loss" to consisLoss)) {
@@ -196,7 +200,11 @@ class WindowTelemetry(private val stage: Int, private val schedule: String, star
             activeS = now.activeS - then.activeS, waitS = now.waitS - then.waitS, seconds = now.seconds - then.seconds,
             bytesIn = now.bytesIn - then.bytesIn, bytesOut = now.bytesOut - then.bytesOut,
             pssBytes = pssBytes, rssPeakBytes = maxOfNullable(s.rssPeak, rssPeakNow), tempC = tempC,
-            extra = LinkedHashMap<String, Any?>().apply { put("schedule", schedule); putAll(memory) },
+            extra = LinkedHashMap<String, Any?>().apply {
+                put("schedule", schedule); put("phase2_calls", s.phase2Calls)
+                if (forwardOnly) put("forward_only", true) // as zl_mobile: absent on a training stage
+                putAll(memory)
+            },
         )
     }
 

@@ -55,6 +55,20 @@ class StageTrainerTest {
     }
 
     @Test
+    fun `a forward-only trainer commits its windows without a step and keeps its LoRA the init`(@TempDir dir: File) {
+        val store = FileCheckpointStore(File(dir, "ck.bin"))
+        val t = StageTrainer(UpdateWindows(W), AdamW(lr = 0.0, weightDecay = 0.01), store, initial(), forwardOnly = true)
+        for (mb in 0L until 2L * W) t.onGradients(mb, emptyMap(), n(mb)) // no gradient: phase 2 never ran
+        assertEquals(1, t.lastCommittedWindow)
+        assertEquals(0, t.optimizerSteps, "no optimizer step on a forward-only stage")
+        assertParams(initial(), t)
+        // a restart resumes after the committed windows, the LoRA still the init
+        val again = StageTrainer(UpdateWindows(W), AdamW(lr = 0.0), store, initial(), forwardOnly = true)
+        assertEquals(2L * W, again.nextMicroBatch)
+        assertParams(initial(), again)
+    }
+
+    @Test
     fun `accumulate then commitWindow - the split the stage runtime uses to report before the step`(@TempDir dir: File) {
         val t = StageTrainer(UpdateWindows(W), opt(), FileCheckpointStore(File(dir, "ck.bin")), initial())
         assertEquals("no_complete_window", assertThrows<StageError> { t.commitWindow() }.code)

@@ -107,7 +107,7 @@ object StageAssignRules {
             reject("schedule", "${show(meta["schedule"])} must be one of ${SCHEDULES.joinToString(", ")}", rid)
         }
         val c = meta["config"] as? Map<String, Any?> ?: return
-        numberIn(c, "lr", { it > 0 && it <= 100 }, "a number above 0 and at most 100", rid)
+        numberIn(c, "lr", { it >= 0 && it <= 100 }, "a number from 0 (forward-only) to 100", rid)
         numberIn(c, "weight_decay", { it in 0.0..100.0 }, "a number from 0 to 100", rid)
         if (c["alpha"] != null) numberIn(c, "alpha", { it in 0.0..1.0 }, "a number from 0 to 1 (or null: the export's)", rid)
         intIn(c, "keep_checkpoints", 1, 10_000, rid, "config.keep_checkpoints")

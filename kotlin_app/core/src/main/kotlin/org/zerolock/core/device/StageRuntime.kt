@@ -145,7 +145,8 @@ class StageRuntime(
             else -> {}
         }
     }
-    val trainer = StageTrainer(windows, AdamW(lr = assignment.lr, weightDecay = assignment.weightDecay), store, runner.initialLora())
+    val trainer = StageTrainer(windows, AdamW(lr = assignment.lr, weightDecay = assignment.weightDecay), store, runner.initialLora(),
+        forwardOnly = assignment.lr == 0.0) // this core runs only the zerolock schedule (LR 0: a forward-only stage)
 
     /** The next micro-batch this stage trains: (last committed window + 1) * W after a (re)start. */
     @Volatile var nextMicroBatch: Long = trainer.nextMicroBatch
@@ -188,7 +189,7 @@ class StageRuntime(
     private val startedEpochS = System.currentTimeMillis() / 1e3
     /** The stage runs the ZeroLock schedule (phase 1, early forwarding, phase 2) whatever is assigned. */
     private val schedule = "zerolock"
-    private val windowStats = WindowTelemetry(assignment.stage, schedule, counters())
+    private val windowStats = WindowTelemetry(assignment.stage, schedule, counters(), forwardOnly = trainer.forwardOnly)
     /** The last `micro_batch` record. */
     @Volatile var lastTelemetry: Telemetry? = null
         private set
@@ -268,7 +269,10 @@ class StageRuntime(
         var loss: Double? = null
         var phase2Start: Long? = null
         var windowComplete = false
-        if (trainer.isTrainable(mb)) {
+        if (trainer.forwardOnly && trainer.isTrainable(mb)) {
+            // phase 1 and forwarding only: what phase 1 saved is dropped, the window still counts it
+            windowComplete = trainer.accumulate(mb, emptyMap(), batch.valid) == StageTrainer.Outcome.WINDOW_COMPLETE
+        } else if (trainer.isTrainable(mb)) {
             val t2 = System.nanoTime()
             phase2Start = t2
             val p2 = runner.phase2(tensors, p1, lora)
@@ -283,6 +287,8 @@ class StageRuntime(
             timing["phase2_start"] = epochS(phase2Start)
             timing["phase2_end"] = epochS(end)
             windowStats.add(w, epochS(t1) - epochS(t0), epochS(end) - epochS(phase2Start), loss, taskLoss, consisLoss, peak)
+        } else if (trainer.forwardOnly && trainer.isTrainable(mb)) {
+            windowStats.add(w, epochS(t1) - epochS(t0), 0.0, null, null, null, peak, phase2 = false)
         }
         val t = Telemetry(
             kind = Telemetry.MICRO_BATCH, stage = assignment.stage, window = w, step = trainer.optimizerSteps,
