@@ -83,9 +83,8 @@ class DeviceServer(
     /** PROTOCOL.md 6: a frame begun on the session with no byte for this long is a stall (TIMEOUT). */
     var ioTimeoutMs: Int = 10_000
     var maxConnections: Int = 64
-    /** Connections not yet authenticated, oldest first: at the cap the oldest gives way (PROTOCOL.md 6). */
-    private val unauthenticated = LinkedHashMap<Socket, Unit>()
-    private val slots by lazy { java.util.concurrent.Semaphore(maxConnections) }
+    /** At most [maxConnections] open at once; at the cap the oldest unauthenticated gives way (PROTOCOL.md 6). */
+    private val slots by lazy { ConnectionSlots(maxConnections) }
     private val watchdog = java.util.concurrent.Executors.newSingleThreadScheduledExecutor { r ->
         Thread(r, "zl-handshake-deadline").also { it.isDaemon = true }
     }
@@ -114,37 +113,8 @@ class DeviceServer(
                 Thread.sleep(50) // out of descriptors (EMFILE): the connection stays queued; do not spin on it
                 continue
             }
-            if (!slots.tryAcquire()) { // at the cap the oldest unauthenticated connection gives way (PROTOCOL.md 6)
-                val evicted = evictUnauthenticated()
-                if (!(evicted && slots.tryAcquire(2, java.util.concurrent.TimeUnit.SECONDS))) {
-                    try { c.close() } catch (_: IOException) {}
-                    continue
-                }
-            }
-            try {
-                Thread({ try { serve(c) } finally { slots.release() } }, "zl-conn-${c.port}").also { it.isDaemon = true; it.start() }
-            } catch (e: OutOfMemoryError) { // no thread to be had
-                slots.release()
-                try { c.close() } catch (_: IOException) {}
-            }
+            slots.serveOnThread(c, "zl-conn-${c.port}", ::serveSocket)
         }
-    }
-
-    /** Close the oldest connection that has not authenticated (its handshake fails, its slot frees). */
-    private fun evictUnauthenticated(): Boolean {
-        val victim = synchronized(unauthenticated) {
-            val it = unauthenticated.keys.iterator()
-            if (!it.hasNext()) return false
-            it.next().also { _ -> it.remove() }
-        }
-        try { victim.shutdownInput() } catch (_: IOException) {}
-        try { victim.close() } catch (_: IOException) {}
-        return true
-    }
-
-    private fun serve(sock: Socket) {
-        synchronized(unauthenticated) { unauthenticated[sock] = Unit }
-        try { serveSocket(sock) } finally { synchronized(unauthenticated) { unauthenticated.remove(sock) } }
     }
 
     private fun serveSocket(sock: Socket) {
@@ -170,7 +140,7 @@ class DeviceServer(
             try {
                 deviceHandshake(reader, writer, auth, info.hello())
                 if (!state.compareAndSet(0, 1)) { auth.releaseSession(); return } // too late: the deadline won
-                synchronized(unauthenticated) { unauthenticated.remove(c) }
+                slots.authenticated(c)
             } catch (e: Exception) {
                 if (e is SocketTimeoutException && state.compareAndSet(0, 2)) {
                     try { writer.write(timeoutMsg) } catch (_: Exception) {}

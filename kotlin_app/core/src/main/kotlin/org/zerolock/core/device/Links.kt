@@ -287,9 +287,7 @@ class InboundLink(
     private val maxConnections: Int = LinkRules.MAX_CONNECTIONS,
 ) : AutoCloseable {
     private val auth = DeviceAuth(token, name)
-    private val slots = java.util.concurrent.Semaphore(maxConnections)
-    /** Connections not yet authenticated, oldest first (as DeviceServer's). */
-    private val unauthenticated = LinkedHashMap<Socket, Unit>()
+    private val slots = ConnectionSlots(maxConnections)
     private val server = listener ?: bindListener(bind, port)
     private val creditLock = Object()
     /** HIDDEN_STATE frames the current upstream may still send (5.4.1: the downstream enforces its credits). */
@@ -307,34 +305,9 @@ class InboundLink(
                 Thread.sleep(50) // out of descriptors (EMFILE): the peer stays queued; do not spin
                 continue
             }
-            // at the cap the oldest connection that has not authenticated gives way, so idle sockets
-            // cannot keep the upstream out; with none to evict the new one is closed (PROTOCOL.md 6)
-            if (!slots.tryAcquire() && !(evictUnauthenticated() && slots.tryAcquire(2, java.util.concurrent.TimeUnit.SECONDS))) {
-                closeQuietly(c)
-                continue
-            }
-            synchronized(unauthenticated) { unauthenticated[c] = Unit }
-            try {
-                Thread({ try { serve(c) } finally { synchronized(unauthenticated) { unauthenticated.remove(c) }; slots.release() } },
-                    "zl-in-$name").also { it.isDaemon = true; it.start() }
-            } catch (e: OutOfMemoryError) { // no thread to be had
-                synchronized(unauthenticated) { unauthenticated.remove(c) }
-                slots.release()
-                closeQuietly(c)
-            }
+            slots.serveOnThread(c, "zl-in-$name", ::serve) // at the cap the oldest unauthenticated gives way
         }
     }, "zl-in-accept-$name").also { it.isDaemon = true; it.start() }
-
-    private fun evictUnauthenticated(): Boolean {
-        val victim = synchronized(unauthenticated) {
-            val it = unauthenticated.keys.iterator()
-            if (!it.hasNext()) return false
-            it.next().also { _ -> it.remove() }
-        }
-        try { victim.shutdownInput() } catch (_: IOException) {}
-        closeQuietly(victim)
-        return true
-    }
 
     private fun serve(sock: Socket) = sock.use { c ->
         c.tcpNoDelay = true
@@ -347,7 +320,7 @@ class InboundLink(
             log("$name: refused an upstream link: ${e.message}")
             return@use
         }
-        synchronized(unauthenticated) { unauthenticated.remove(c) }
+        slots.authenticated(c)
         c.soTimeout = stallMs
         r.maxFrame = maxFrame
         synchronized(creditLock) { credits = 0; writer = w; current = c }
