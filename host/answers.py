@@ -2,26 +2,27 @@
 side (greedy decoding on the HF model, as evaluate() scores it)."""
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
 import torch
 
 
-def prompts_and_answers(micro_batches: list[dict], n: int) -> list[tuple[list[int], list[int]]]:
-    """The first n rows with an answer: (prompt ids, expected answer ids). labels[i] is the target
-    at position i, so the prompt ends at the first labelled position."""
-    out = []
+def answered_rows(micro_batches: list[dict]):
+    """(real ids, labels, labelled positions) of each row with an answer, in order; labels[i] is the
+    target at position i (-100: none), so a prompt ends at an answer's first labelled position."""
     for b in micro_batches:
         for ids, labels, mask in zip(b["input_ids"], b["labels"], b["attention_mask"]):
             valid = np.flatnonzero(labels != -100)
-            if len(valid) == 0:
-                continue
-            real = ids[mask > 0]
-            out.append((real[:valid[0] + 1].tolist(), labels[valid].tolist()))
-            if len(out) == n:
-                return out
-    return out
+            if len(valid):
+                yield ids[mask > 0], labels, valid
+
+
+def prompts_and_answers(micro_batches: list[dict], n: int) -> list[tuple[list[int], list[int]]]:
+    """The first n rows with an answer: (prompt ids, expected answer ids)."""
+    return [(real[:valid[0] + 1].tolist(), labels[valid].tolist())
+            for real, labels, valid in itertools.islice(answered_rows(micro_batches), n)]
 
 
 def side_by_side(model_dir: str, adapter_dir: Path, micro_batches: list[dict], tokenizer, n: int,

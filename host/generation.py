@@ -4,6 +4,7 @@ match and token-level F1 (SQuAD's: lowercase, punctuation and extra spaces dropp
 the base model against the adapter."""
 from __future__ import annotations
 
+import itertools
 import re
 import string
 from collections import Counter
@@ -12,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from host.answers import answered_rows
+
 SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.7, 0.95  # --sample: a common chat setting
 
 
@@ -19,17 +22,11 @@ def last_turns(micro_batches: list[dict], n: int) -> list[tuple[list[int], list[
     """Up to n rows as (prompt ids, reference ids): the reference is the row's last run of answer
     tokens (a chat's last assistant turn, a completion), the prompt every token before it."""
     out = []
-    for b in micro_batches:
-        for ids, labels, mask in zip(b["input_ids"], b["labels"], b["attention_mask"]):
-            valid = np.flatnonzero(labels != -100)
-            if len(valid) == 0:
-                continue
-            gaps = np.flatnonzero(np.diff(valid) > 1)
-            start = valid[gaps[-1] + 1] if len(gaps) else valid[0]
-            real = ids[mask > 0]
-            out.append((real[:start + 1].tolist(), labels[start:valid[-1] + 1].tolist()))
-            if len(out) == n:
-                return out
+    for real, labels, valid in itertools.islice(answered_rows(micro_batches), n):
+        gaps = np.flatnonzero(np.diff(valid) > 1)
+        start = valid[gaps[-1] + 1] if len(gaps) else valid[0]
+        out.append((real[:start + 1].tolist(), labels[start:valid[-1] + 1].tolist()))
+    return out
     return out
 
 

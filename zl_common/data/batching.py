@@ -100,18 +100,11 @@ def encode_examples(examples, tokenizer, seq_len: int, *,
             for i in range(1, len(ids)):
                 if is_answer[i]:
                     labels[i - 1] = ids[i]
-            enc = Encoded(np.asarray(ids, dtype=np.int64), labels)
-            if enc.n_targets == 0:
-                out.rejected["rows with no answer token left after truncation to "
-                             f"seq_len={seq_len}"] += 1
-                continue
-            out.append(enc)
-            continue
-        if not isinstance(ex, dict) or not ({"prompt", "completion"} <= ex.keys()
-                                            or "text" in ex):
+        elif not isinstance(ex, dict) or not ({"prompt", "completion"} <= ex.keys()
+                                              or "text" in ex):
             raise DataError(f"example {k} is not a {{'prompt','completion'}} or {{'text'}} "
                             f"dict: {str(ex)[:80]!r}; load data with zl_common.data.load_examples")
-        if "prompt" not in ex:
+        elif "prompt" not in ex:
             ids = bos + _ids(tokenizer, ex["text"]) + eos
             if len(ids) > seq_len:
                 ids = ids[:seq_len]
