@@ -3,12 +3,13 @@
 "before" lowers every partition as ExecuTorch does, one chunk after another (ZL_LOWERING_CACHE=off,
 --jobs 1); "after" is zl-export as shipped (each distinct XNNPACK partition lowered once,
 exporter/lowering_cache.py; no redundant re-decompositions; one graph sort per partitioning pass,
-exporter/partition_sort.py; the chunks side by side in worker processes, exporter/chunk_jobs.py). The two exports alternate (ABBA over --reps), each in a
-fresh process, so both see the same machine. Per variant it reports the wall time of the whole
-command and each chunk's export time (the manifest's export_seconds), and then, for each chunk's
-program of each variant, the median phase 1 + phase 2 step in ExecuTorch and the peak RSS of a
-fresh process that loads it and steps (the programs must be no slower and no bigger), and how
-far the two variants' outputs differ on the same inputs (they must agree to fp32 rounding).
+exporter/partition_sort.py; the chunks side by side in worker processes, exporter/chunk_jobs.py).
+The two exports alternate (ABBA over --reps), each in a fresh process, so both see the same
+machine. Per variant it reports the wall time of the whole command and each chunk's export time
+(the manifest's export_seconds), and then, for each chunk's program of each variant, the median
+phase 1 + phase 2 step in ExecuTorch and the peak RSS of a fresh process that loads it and steps
+(the programs must be no slower and no bigger), and how far the two variants' outputs differ on
+the same inputs (they must agree to fp32 rounding).
 
   python bench/export_speed.py                                   # tiny model, default chunks
   python bench/export_speed.py --model smollm2 --chunks 0-9,10-19,20-29 --seq-len 64 --loss-positions 8

@@ -141,7 +141,8 @@ def main(argv=None) -> int:
         row["over_floor_ratio"] = (row["over_floor_mib_kotlin"] / row["over_floor_mib_python"]
                                    if row["over_floor_mib_kotlin"] and row["over_floor_mib_python"] else None)
         summary["per_stage"][k] = row
-        print(f"{k:>5} {row['step_s_python'] * 1e3:>10.1f} {row['step_s_kotlin'] * 1e3:>10.1f} {row['step_ratio']:>6.2f} {row['step_min_ratio']:>9.2f} "
+        print(f"{k:>5} {row['step_s_python'] * 1e3:>10.1f} {row['step_s_kotlin'] * 1e3:>10.1f} "
+              f"{row['step_ratio']:>6.2f} {row['step_min_ratio']:>9.2f} "
               f"{row['peak_pss_mib_python']:>8.0f} {row['peak_pss_mib_kotlin']:>8.0f} {row['runtime_pss_mib_python'] or 0:>8.0f} "
               f"{row['runtime_pss_mib_kotlin'] or 0:>8.0f} {row['over_floor_mib_python'] or 0:>8.0f} "
               f"{row['over_floor_mib_kotlin'] or 0:>8.0f} {row['over_floor_ratio'] or 0:>6.2f}")
@@ -154,7 +155,8 @@ def main(argv=None) -> int:
               for x, y in zip(first["kotlin"][k], first["python"][k], strict=True))
     summary["first_window_losses"], summary["first_window_max_rel_diff"] = first, rel
     print("first window's losses per stage (python | kotlin): " + "; ".join(
-        f"stage {k} " + " ".join(f"{x:.6f}" for x in first["python"][k]) + " | " + " ".join(f"{x:.6f}" for x in first["kotlin"][k])
+        f"stage {k} " + " ".join(f"{x:.6f}" for x in first["python"][k])
+        + " | " + " ".join(f"{x:.6f}" for x in first["kotlin"][k])
         for k in range(n)) + f"; largest relative difference {rel:.1e}")
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(summary, indent=1))

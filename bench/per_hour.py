@@ -245,9 +245,11 @@ def markdown(res, png: Path) -> str:
     s = res["settings"]
     mach = res["machine"]
     where = f"{mach['cpu']}, {mach['cores']} cores" if isinstance(mach, dict) else mach
-    lines = [f"### {s['budget']:,} training samples, seed {s['seed']}", "", f"Run {res['date']} on {where}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
+    lines = [f"### {s['budget']:,} training samples, seed {s['seed']}", "",
+             f"Run {res['date']} on {where}: `{res['command']}`. SmolLM2-135M (`zl-export --mode both`, "
              f"chunks {CHUNKS}), WordNet classification, {s['budget']} training samples (micro-batch {s['micro_batch']} "
-             f"x window {s['window']}), seed {s['seed']}, three emulated phones at {', '.join(f'{x:g}' for x in s['cpu_shares'])} "
+             f"x window {s['window']}), seed {s['seed']}, "
+             f"three emulated phones at {', '.join(f'{x:g}' for x in s['cpu_shares'])} "
              f"of a core each, links shaped by {s['link_kind']}; held-out accuracy on {s['eval_rows']} test rows after "
              f"every {s['snapshot_every']} windows. Base without adapter: {res['zero_shot']['choice_accuracy']:.3f}.",
              "", "| link | method | LR | final accuracy | training time | samples/s | time to 95% of BP's final | samples then |",

@@ -506,7 +506,8 @@ def main(argv=None) -> int:
         if z.get("train_peak_mean") and r.get("train_peak_mean"):
             ratios.setdefault(m, {}).update(train_peak_mean=z["train_peak_mean"] / r["train_peak_mean"],
                                             train_peak_max=z["train_peak_max"] / r["train_peak_max"])
-        ratios[m] = {**ratios.get(m, {}), "pss_peak_mean": z["pss_peak_mean"] / r["pss_peak_mean"], "pss_peak_max": z["pss_peak_max"] / r["pss_peak_max"],
+        ratios[m] = {**ratios.get(m, {}), "pss_peak_mean": z["pss_peak_mean"] / r["pss_peak_mean"],
+                     "pss_peak_max": z["pss_peak_max"] / r["pss_peak_max"],
                      "act_max": z["act_max"] / r["act_max"], "throughput": z["throughput_sps"] / r["throughput_sps"],
                      "active_fraction": z["active_fraction_mean"] / r["active_fraction_mean"]}
         print(f"  vs {m}: PSS mean {ratios[m]['pss_peak_mean']:.3f}, PSS max {ratios[m]['pss_peak_max']:.3f}, "
@@ -516,7 +517,8 @@ def main(argv=None) -> int:
                  if "train_peak_mean" in ratios[m] else ""))
     print("\nthroughput (samples/s) vs link:")
     print("| method | " + " | ".join(LINKS.get(r, str(r)) + (f" ({r:g} Mbit/s" if r else " (")
-                                     + (f", {delay_of[r]:g} ms)" if delay_of[r] else ")" if r else "no limit)") for r in rates) + " |")
+                                     + (f", {delay_of[r]:g} ms)" if delay_of[r] else ")" if r else "no limit)")
+                                     for r in rates) + " |")
     print("|---|" + "---|" * len(rates))
     sweep_tab = {}
     for m in sweep:

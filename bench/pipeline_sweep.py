@@ -133,7 +133,8 @@ def main(argv=None) -> int:
         print("no run finished: see the FAILED lines above")
         return 1
 
-    print("\n| b (micro-batch x m) | method | peak PSS max | activations max | samples/s | ZeroLock / it: PSS max, PSS mean, PSS less the runtime mean, throughput |")
+    print("\n| b (micro-batch x m) | method | peak PSS max | activations max | samples/s | "
+          "ZeroLock / it: PSS max, PSS mean, PSS less the runtime mean, throughput |")
     print("|---|---|---|---|---|---|")
     ratios = []
     for mb, m in sorted({(r["micro_batch"], r["m"]) for r in rows}, key=lambda x: (x[0] * x[1], x[0])):

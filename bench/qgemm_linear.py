@@ -23,12 +23,15 @@ class L(nn.Module):
         elif mode == "qc8w":
             sc = w.abs().amax(1) / 127
             s.register_buffer("q", torch.round(w / sc[:, None]).clamp(-127, 127).to(torch.int8))
-            s.register_buffer("sc", sc); s.register_buffer("zp", torch.zeros(N, dtype=torch.int64))
+            s.register_buffer("sc", sc)
+            s.register_buffer("zp", torch.zeros(N, dtype=torch.int64))
         else:
             G = 32
-            wg = w.reshape(N, K // G, G); sc = wg.abs().amax(2) / 7
+            wg = w.reshape(N, K // G, G)
+            sc = wg.abs().amax(2) / 7
             s.register_buffer("q", torch.round(wg / sc[..., None]).clamp(-8, 7).to(torch.int8).reshape(N, K))
-            s.register_buffer("sc", sc); s.register_buffer("zp", torch.zeros_like(sc, dtype=torch.int64))
+            s.register_buffer("sc", sc)
+            s.register_buffer("zp", torch.zeros_like(sc, dtype=torch.int64))
     def forward(s, x):
         if mode == "fp32":
             return F.linear(x, s.w)
@@ -40,7 +43,8 @@ class L(nn.Module):
         else:
             wd = qd.dequantize_per_channel_group(s.q, s.sc, s.zp, -8, 7, torch.int8, 32, torch.float32)
         return F.linear(xd, wd)
-m = L().eval(); x = torch.randn(M, K)
+m = L().eval()
+x = torch.randn(M, K)
 ref = m(x)
 ep = torch.export.export(m, (x,), strict=False)
 part = XnnpackPartitioner(force_non_static_weights_for_f32_linear=(mode == "fp32"))
@@ -48,12 +52,18 @@ edge = to_edge_transform_and_lower(ep, partitioner=[part])
 g = edge.exported_program().graph_module
 print(mode, "ops after lowering:", sorted({str(n.target) for n in g.graph.nodes if n.op == "call_function"}))
 pte = edge.to_executorch(ExecutorchBackendConfig())
-buf = pte.buffer; print("pte bytes", len(buf))
-prog = Runtime.get().load_program(buf); meth = prog.load_method("forward")
+buf = pte.buffer
+print("pte bytes", len(buf))
+prog = Runtime.get().load_program(buf)
+meth = prog.load_method("forward")
 out = meth.execute([x])[0]
 print("max|out-eager|", (out - ref).abs().max().item(), "ref scale", ref.abs().max().item())
-for _ in range(3): meth.execute([x])
+for _ in range(3):
+    meth.execute([x])
 ts = []
 for _ in range(15):
-    t = time.perf_counter(); meth.execute([x]); ts.append(time.perf_counter() - t)
-ts.sort(); print(f"{mode} N={N} K={K} M={M} median {ts[len(ts)//2]*1e3:.2f} ms")
+    t = time.perf_counter()
+    meth.execute([x])
+    ts.append(time.perf_counter() - t)
+ts.sort()
+print(f"{mode} N={N} K={K} M={M} median {ts[len(ts)//2]*1e3:.2f} ms")

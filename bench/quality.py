@@ -70,7 +70,7 @@ from bench.common import machine, now_iso, replace_md_section  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHUNKS = ((0, 9), (10, 19), (20, 29))  # the split ZeroLock's methods train; set_chunks changes it (BP has none)
-DEFAULT_SPLIT = ",".join(f"{f}-{l}" for f, l in CHUNKS)
+DEFAULT_SPLIT = ",".join(f"{first}-{last}" for first, last in CHUNKS)
 LAYERS = CHUNKS[-1][1] + 1
 
 
@@ -249,7 +249,7 @@ class Trainer:
         if self.alpha is not None:
             self.alphas = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,) * len(CHUNKS)
             cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alphas[0])
-            self.chunks = [ChunkModel(pm, f, l, cfg) for f, l in CHUNKS]
+            self.chunks = [ChunkModel(pm, first, last, cfg) for first, last in CHUNKS]
         self.first_losses = None
         # CPU seconds per chunk (its layers, readout and backward; the plain-autograd path): the phone's
         # share of a micro-batch, so a deeper readout's cost shows per chunk whatever the machine's load
@@ -594,7 +594,8 @@ def pipeline_train_and_eval(base, data, lr, seed, a, label_ids, lenses, log=prin
     export = Path(a.pipeline_export)
     m = json.loads((export / "manifest.json").read_text())
     e = m["export"]
-    if (e["seq_len"], e["micro_batch"]) != (a.seq_len, a.micro_batch) or [tuple(c["layers"]) for c in m["chunks"]] != list(CHUNKS):
+    if (e["seq_len"], e["micro_batch"]) != (a.seq_len, a.micro_batch) \
+            or [tuple(c["layers"]) for c in m["chunks"]] != list(CHUNKS):
         sys.exit(f"bench/quality.py: {export} was exported with seq len {e['seq_len']}, micro-batch {e['micro_batch']}, "
                  f"chunks {[c['layers'] for c in m['chunks']]}; export with --chunks 0-9,10-19,20-29 "
                  f"--seq-len {a.seq_len} --micro-batch {a.micro_batch}")
@@ -710,13 +711,15 @@ def markdown(res) -> str:
         f"(GGUF Q4_1 dequantized to fp32), 3 chunks (layers 0-9, 10-19, 20-29), LoRA r=8, lora_alpha=16, "
         f"q_proj/v_proj, zl_mobile AdamW, token-level window mean.",
         "",
-        "| method | seeds | LR | choice acc. | label acc. | answer NLL | per chunk: choice acc. (0 / 1 / 2) | delta_k (0 / 1 / 2) |",
+        "| method | seeds | LR | choice acc. | label acc. | answer NLL | "
+        "per chunk: choice acc. (0 / 1 / 2) | delta_k (0 / 1 / 2) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for m, row in s.items():
         ch = row["chunks"]
         lines.append(f"| {m} | {','.join(map(str, row['seeds'])) if m != 'zero-shot' else '-'} | "
-                     f"{row['lr'] if m != 'zero-shot' else '-'}{'' if m in res.get('sweep', {}) or m == 'zero-shot' else ' (not swept)'} | "
+                     f"{row['lr'] if m != 'zero-shot' else '-'}"
+                     f"{'' if m in res.get('sweep', {}) or m == 'zero-shot' else ' (not swept)'} | "
                      f"{ms(row['choice_accuracy'])} | "
                      f"{ms(row['label_accuracy'])} | {ms(row['answer_nll'])} | "
                      + " / ".join(f"{ch[c]['choice_accuracy']:.2f}" for c in sorted(ch)) + " | "
@@ -852,7 +855,8 @@ def main(argv=None) -> int:
 
             from exporter.readout_lens import from_tensors
             lenses = from_tensors(load_file(str(Path(a.pipeline_export) / pm_["readout_lens"]["file"])))
-            print(f"lens: the export's ({pm_['readout_lens'].get('calibration')}, {pm_['readout_lens'].get('positions')} positions)")
+            print(f"lens: the export's ({pm_['readout_lens'].get('calibration')}, "
+                  f"{pm_['readout_lens'].get('positions')} positions)")
     if lenses is None and any(m.endswith("-lens") for m in methods):  # once, on the training text, before any training
         lenses = fit_lenses(base, batches(data["train"], range(len(data["train"])), a.micro_batch, a.seq_len, a.pad_id),
                             extra=sorted({e for m in methods for e in tail_lens_boundaries(m)}))

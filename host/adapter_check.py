@@ -93,7 +93,8 @@ def _read_shapes(adapter: Path) -> dict:
         with safe_open(str(path), framework="pt") as f:
             return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     except Exception as e:  # safetensors raises its own error type for a torn or foreign file
-        raise AdapterError(f"{path} is not a readable safetensors file ({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
+        raise AdapterError(f"{path} is not a readable safetensors file "
+                           f"({str(e).splitlines()[0] if str(e) else type(e).__name__}): "
                            "the adapter is corrupt or incomplete; copy it again or re-run zl-host run") from None
 
 
@@ -111,6 +112,7 @@ def _base_linears(base: Path) -> dict[str, tuple[int, int]]:
             model = AutoModelForCausalLM.from_config(config)
     except Exception as e:  # a bad config.json: transformers raises many types
         raise AdapterError(f"the base model's config in {base} cannot be read ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0] if str(e) else ''}): restore the model files the export was made from") from None
+                           f"{str(e).splitlines()[0] if str(e) else ''}): "
+                           "restore the model files the export was made from") from None
     return {name: (m.out_features, m.in_features) for name, m in model.named_modules()
             if isinstance(m, torch.nn.Linear)}

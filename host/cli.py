@@ -186,7 +186,9 @@ def build_parser():
     e.set_defaults(func=cmd_emulate)
     r = sub.add_parser("run", help="train: ZeroLock over the phones")
     r.add_argument("--program", help="zl-export output dir")
-    r.add_argument("--data", default=None, help="AG News CSV, JSONL, or wordnet[:validation|test] (WordNet noun glosses by category); omit for the tiny model's synthetic set")
+    r.add_argument("--data", default=None,
+                   help="AG News CSV, JSONL, or wordnet[:validation|test] (WordNet noun glosses by category); "
+                        "omit for the tiny model's synthetic set")
     r.add_argument("--devices", default="auto", help="auto | emulated:N | NAME,NAME,...")
     r.add_argument("--steps", type=int, default=8, help="optimizer steps (update windows)")
     r.add_argument("--epochs", type=float, default=None, help="instead of --steps: passes over the training data")

@@ -47,7 +47,8 @@ def _mib(n: int) -> str:
 def problems(seen: list, tokens: dict[str, str], alike: set[str], phones_home: Path, min_bytes: int = 0,
              probe=is_busy) -> list[tuple[object, str]]:
     """(device, line) for each device in `seen` (host.devices.Reachable) that auto could not use, the
-    line saying why and what to do (device None: the namesakes' one line); none for a usable one. `phones_home`: where emulated phones keep their tokens.
+    line saying why and what to do (device None: the namesakes' one line); none for a usable one.
+    `phones_home`: where emulated phones keep their tokens.
     `probe(endpoint, token)` says whether a phone is busy (asked only of phones otherwise usable)."""
     out = []
     for r in sorted(seen, key=lambda r: (r.name, r.endpoint or r.serial or "")):

@@ -48,7 +48,8 @@ def mdns_interfaces(spec: str):
     return {"loopback": LOOPBACK, "all": "all"}.get(spec, [spec])
 
 
-def find_devices(timeout: float = 2.0, interfaces: str = "loopback", want: int | None = None) -> tuple[list[Reachable], list[str]]:
+def find_devices(timeout: float = 2.0, interfaces: str = "loopback",
+                 want: int | None = None) -> tuple[list[Reachable], list[str]]:
     """Everything reachable, plus notes on where we looked (for a plain 'nothing found')."""
     notes = []
     until = (lambda found: len(found) >= want) if want else None
@@ -166,7 +167,8 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
 
     missing_token = [r.name for r in chosen if token_of(r) is None]
     if missing_token:
-        raise DeviceLookupError(f"no pairing token for {', '.join(missing_token)}: pass --tokens FILE (JSON NAME -> token shown on the phone)")
+        raise DeviceLookupError(f"no pairing token for {', '.join(missing_token)}: "
+                                "pass --tokens FILE (JSON NAME -> token shown on the phone)")
     dup = {r.name for r in chosen if sum(name_key(o.name) == name_key(r.name) for o in chosen) > 1}
     handles = []
     for r in chosen:

@@ -76,13 +76,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="zerolock",
                    help="zerolock (this runtime), or a BP baseline through torch.distributed.pipelining: gpipe, "
                         "1f1b, zerobubble; several, comma-separated, run one after another in RUN_DIR/<schedule>/")
-    p.add_argument("--torch-device", default="auto", help="auto (cuda:LOCAL_RANK when CUDA is there, else cpu), cpu, cuda, cuda:N")
+    p.add_argument("--torch-device", default="auto",
+                   help="auto (cuda:LOCAL_RANK when CUDA is there, else cpu), cpu, cuda, cuda:N")
     p.add_argument("--wire", default="cpu", choices=["cpu", "device"],
                    help="cpu: hidden states over Gloo (CPU copies; works for ranks sharing a GPU); device: CUDA "
                         "tensors over NCCL (one GPU per rank)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads per rank")
-    p.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]: "
-                   "kill that rank there, once (torchrun --max-restarts restarts the ranks)")
+    p.add_argument("--inject-failure", action="append",
+                   help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]: "
+                        "kill that rank there, once (torchrun --max-restarts restarts the ranks)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds a rank waits on a peer before giving up")
     p.add_argument("--save-grads", action="store_true",
                    help="BP baselines: write each rank's LoRA and gradients per window to RUN_DIR/grads (checks)")

@@ -177,7 +177,7 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
         rss = take_peak_rss_bytes()
         peak_rss = max(peak_rss, rss or 0)
         seconds.append(t2 - t0)
-        loss = float(torch.stack([l.detach().cpu() for l in losses]).mean()) if losses else None
+        loss = float(torch.stack([mb_loss.detach().cpu() for mb_loss in losses]).mean()) if losses else None
         record("TELEMETRY", {
             "kind": "window", "stage": k, "window": w, "step": opt.step_count, "schedule": a.schedule,
             "micro_batches": W, "loss": loss, "task_loss": loss, "phase1_s": None, "phase2_s": None,

@@ -1,4 +1,5 @@
-"""Emulated phones, several at once: started on this machine (zl-phone or Kotlin phones), their\nlinks and CPU shares (one phone is host/emulated_phone.py)."""
+"""Emulated phones, several at once: started on this machine (zl-phone or Kotlin phones), their
+links and CPU shares (one phone is host/emulated_phone.py)."""
 from __future__ import annotations
 
 import os

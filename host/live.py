@@ -18,8 +18,9 @@ class LiveView:
         if kind == "telemetry" and data.get("kind") == "micro_batch":
             self.stages[data["stage"]] = data
         elif kind in ("failure", "rejoined", "caught_up", "error", "waiting"):
-            self.notes.append(f"{time.strftime('%H:%M:%S')} {kind}: " + ", ".join(f"{k}={v}" for k, v in data.items()
-                                                                                 if k in ("stage", "device", "why", "message", "resumed_after_window")))
+            self.notes.append(f"{time.strftime('%H:%M:%S')} {kind}: " + ", ".join(
+                f"{k}={v}" for k, v in data.items()
+                if k in ("stage", "device", "why", "message", "resumed_after_window")))
             self.notes = self.notes[-4:]
 
     def __rich__(self):

@@ -24,8 +24,10 @@ class RunSettings:
     recovery: str = "local"       # or "global-rollback"
     schedule: str = "zerolock"    # or a BP baseline: gpipe, 1f1b, pipedream
     max_seconds: float | None = None  # give up (with a clear error) if the run takes longer
-    stall_timeout: float | None = None  # no stage progressed this long: stop, saying where each stands (default 3x compute_timeout)
-    keep_checkpoints: int | None = None  # window checkpoints each stage keeps (default 2; a study of the adapter over time keeps all)
+    # no stage progressed this long: stop, saying where each stands (default 3x compute_timeout)
+    stall_timeout: float | None = None
+    # window checkpoints each stage keeps (default 2; a study of the adapter over time keeps all)
+    keep_checkpoints: int | None = None
 
     def alpha_for(self, stage: int) -> float | None:
         return self.alpha[stage] if isinstance(self.alpha, list) else self.alpha

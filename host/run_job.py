@@ -78,7 +78,8 @@ def _load_resume(run_dir: Path) -> dict:
     try:
         return json.loads((run_dir / "run.json").read_text())
     except FileNotFoundError:
-        raise CliError(f"cannot resume: {run_dir} has no run.json (not a zl-host run dir); give the --out of an earlier run") from None
+        raise CliError(f"cannot resume: {run_dir} has no run.json (not a zl-host run dir); "
+                       "give the --out of an earlier run") from None
     except (OSError, json.JSONDecodeError) as e:
         raise CliError(f"cannot resume: {run_dir / 'run.json'} is unreadable ({e}); start a new run instead") from None
 
@@ -167,8 +168,9 @@ def _emulated(cfg: RunConfig, job: Job, n: int) -> Devices:
         raise CliError(f"cannot make the phones' network: {e}; run without --link-mbit") from None
     try:
         if cfg.resume and job.saved.get("phones"):
-            phones = [phone_class(p.get("runtime", "python"))(p["name"], Path(p["workdir"]), p["token"], p["args"], p["port"],
-                                                              net=network.phones[i] if network else None).adopt_or_start(p.get("pid"))
+            phones = [phone_class(p.get("runtime", "python"))(p["name"], Path(p["workdir"]), p["token"], p["args"],
+                                                              p["port"], net=network.phones[i] if network else None)
+                      .adopt_or_start(p.get("pid"))
                       for i, p in enumerate(job.saved["phones"])]
         else:
             say(f"starting {n} emulated phones ({how})")

@@ -17,15 +17,18 @@ SKIPPED_SECTIONS = {"The two commands"}  # scripts/demo.sh and scripts/test.sh: 
 # Commands that cannot run here, each with why; their flags are checked against `help` where one exists.
 # (pattern on the command as written, reason, the help command whose text must hold every --flag, or None)
 CANNOT_RUN = [
-    (r"^llama-cli\b", "llama.cpp is not installed here (the adapter's format: docs/BENCHMARKS.md, tests/test_gguf_adapter.py)", None),
+    (r"^llama-cli\b", "llama.cpp is not installed here "
+     "(the adapter's format: docs/BENCHMARKS.md, tests/test_gguf_adapter.py)", None),
     (r"\bollama create\b", "Ollama is not installed here", None),
-    (r"^tensorboard\b", "starts a server that never ends (its event files: tests/test_tensorboard.py)", ["tensorboard", "--help"]),
+    (r"^tensorboard\b", "starts a server that never ends (its event files: tests/test_tensorboard.py)",
+     ["tensorboard", "--help"]),
     (r"^torchrun --nnodes", "needs three machines; the one-machine torchrun above runs the same ranks",
      ["torchrun", "--help"], ["python", "-m", "host.dist", "--help"]),
     (r"python -m pytest tests/", "a file of this very suite", None),
     (r"^(bash )?kotlin_app/run_tests\.sh$", "the JVM tests: scripts/test.sh runs them (CI); the Kotlin phones below "
      "build what they need (run_tests.sh --build-only)", None),
-    (r"^(cd kotlin_app|gradle |echo \"sdk\.dir|\./gradlew |adb install)", "needs the Android SDK and Google's Maven (not here)", None),
+    (r"^(cd kotlin_app|gradle |echo \"sdk\.dir|\./gradlew |adb install)",
+     "needs the Android SDK and Google's Maven (not here)", None),
     (r"^java .*DeviceMain", "by hand, with [optional] arguments: zl-host emulate --runtime kotlin starts it above",
      ["java", "-cp", "{classpath}", "org.zerolock.core.DeviceMain", "--help"]),
 ]
@@ -62,7 +65,8 @@ def _is_command_block(lang: str, lines: list[str]) -> bool:
         return False
     first = next((ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")), "")
     word = first.split()[0] if first else ""
-    return bool(word) and (shutil.which(word) is not None or (ROOT / word).is_file() or word in (".", "cd", "gradle", "llama-cli", "ollama"))
+    return bool(word) and (shutil.which(word) is not None or (ROOT / word).is_file()
+                           or word in (".", "cd", "gradle", "llama-cli", "ollama"))
 
 
 def _cut_comment(line: str) -> tuple[str, str]:

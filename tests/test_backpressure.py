@@ -100,8 +100,8 @@ def test_host_and_every_phone_killed_then_resume_ends_with_the_uninterrupted_lor
     import numpy as np
     from safetensors.numpy import load_file
 
-    common = ["--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3", "--steps", "12", "--window", "2",
-              "--lr", "2e-2"]
+    common = ["--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3", "--steps", "12",
+              "--window", "2", "--lr", "2e-2"]
     assert main(["run", *common, "--out", str(tmp_path / "a")]) == 0
     run = tmp_path / "b"
     slow = ["--inject-failure", "stage=1,point=slow-phase1,seconds=0.15",

@@ -127,7 +127,8 @@ def test_outbound_link(scenario):
             elif op == "credit":
                 down.send(Message(MsgType.CREDIT, {"credits": step["n"]}))
             elif op == "committed":
-                down.send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": step["window"], "step": min(step["window"] + 1, 2**63 - 1),
+                down.send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": step["window"],
+                                                                 "step": min(step["window"] + 1, 2**63 - 1),
                                                                  "sha256": "0" * 64}))
             else:
                 pytest.fail(f"unknown step in {where}")
@@ -318,7 +319,8 @@ def _held(socks: list[socket.socket], closed: set[int], want: int) -> int:
     return len(socks) - len(closed)
 
 
-@pytest.mark.parametrize("scenario", VECTORS["inbound"]["connections"], ids=[s["name"] for s in VECTORS["inbound"]["connections"]])
+@pytest.mark.parametrize("scenario", VECTORS["inbound"]["connections"],
+                         ids=[s["name"] for s in VECTORS["inbound"]["connections"]])
 def test_inbound_link_connection_cap(scenario):
     """PROTOCOL.md 6 on the real InboundLink: its data port holds at most max_connections; at the cap
     the oldest unauthenticated connection gives way, so idle sockets never keep the upstream out."""

@@ -165,7 +165,7 @@ def test_lastwide_targets_put_every_linear_at_rank_32_in_the_last_chunk_only():
             adapted[(layer, name.rsplit(".", 1)[1])] = (mod.r["default"], mod.scaling["default"])
     last = range(Q.CHUNKS[-1][0], Q.CHUNKS[-1][1] + 1)
     for layer in range(Q.CHUNKS[-1][1] + 1):
-        got = {proj: rs for (l, proj), rs in adapted.items() if l == layer}
+        got = {proj: rs for (at_layer, proj), rs in adapted.items() if at_layer == layer}
         if layer in last:
             assert got == {p: (32, 2.0) for p in Q.LORA_TARGETS["all"]}, layer
         else:
@@ -182,7 +182,8 @@ def test_another_split_trains_zerolock_at_the_default_splits_rates_in_cells_of_i
     monkeypatch.setattr(Q, "CHUNKS", Q.CHUNKS)  # set_chunks sets it for the process: restored after the test
     monkeypatch.setattr(Q, "LORA_TARGETS", Q.LORA_TARGETS)  # and the targets it derives from CHUNKS
     monkeypatch.setattr(Q, "LORA_RANK_PATTERNS", Q.LORA_RANK_PATTERNS)
-    for bad in (["--chunks", "0-4,5-9"], ["--chunks", "0-4,5-9,10-19,20-29"], ["--chunks", "0-4,5-9,10-29", "--targets", "lastwide"]):
+    for bad in (["--chunks", "0-4,5-9"], ["--chunks", "0-4,5-9,10-19,20-29"],
+                ["--chunks", "0-4,5-9,10-29", "--targets", "lastwide"]):
         with pytest.raises(SystemExit):  # argparse's one-line error
             parse(["run", "--cells", str(tmp_path), *bad])
     s = study(tmp_path, "--chunks", "0-4,5-9,10-29", "--methods", "bp,zl-last1-lens", "--budgets", "1024", "--seeds", "0")
@@ -200,7 +201,8 @@ def test_another_split_trains_zerolock_at_the_default_splits_rates_in_cells_of_i
         "wordnet/zl-last1-lens_qv_c5-5-20_n1024_e1_lr0.003_s0_test.json"
     assert QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test", "fp32", split) == \
         QS.cell_name("wordnet", "bp", 3e-3, 0, 1024, 1, "qv", "test")
-    assert Q.LORA_RANK_PATTERNS["lastwide"] == {r"layers\.(10|11|12|13|14|15|16|17|18|19|20|21|22|23|24|25|26|27|28|29)\..*": 32}, \
+    assert Q.LORA_RANK_PATTERNS["lastwide"] == {r"layers\.(10|11|12|13|14|15|16|17|18|19|"
+                                                r"20|21|22|23|24|25|26|27|28|29)\..*": 32}, \
         "lastwide's last chunk follows the split (it was fixed to the default's at import)"
     assert parse(["run", "--cells", str(tmp_path), "--chunks", split, "--budgets", "2048"]).budgets == [2048], \
         "no sweep of its own, so no need for the sweep's budget"

@@ -15,7 +15,8 @@ from .protocol import ErrorCode, ProtocolError
 from .protocol.quoting import quote_any
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
-HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
+HOSTNAME = re.compile(r"(?=.{1,253}\Z)[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+                      r"(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\Z")
 MAX_WINDOW = 4096          # micro-batches per update window; a schedule walks a few windows up front
 MAX_DEPTH = 4096           # inflight_depth, buffer_capacity
 MAX_HORIZON = 1 << 24      # replay_horizon: entries kept, never preallocated
@@ -119,6 +120,6 @@ def _check_config(c: dict) -> None:
                 or sp.get("point", "after-phase1") not in FAILURE_POINTS \
                 or ("seconds" in sp and not (_number(sp["seconds"]) and 0 <= sp["seconds"] <= 3600)) \
                 or sp.get("mode", "process") not in FAILURE_MODES or sp.get("detect", "connection") not in FAILURE_DETECTS:
-            raise _reject("config.inject_failure", f"{quote_any(sp)} must be {{window: uint (null for slow-phase1), point: one of "
-                                                   f"{', '.join(FAILURE_POINTS)}, seconds: 0..3600, mode: "
+            raise _reject("config.inject_failure", f"{quote_any(sp)} must be {{window: uint (null for slow-phase1), "
+                                                   f"point: one of {', '.join(FAILURE_POINTS)}, seconds: 0..3600, mode: "
                                                    f"{' or '.join(FAILURE_MODES)}, detect: {' or '.join(FAILURE_DETECTS)}}}")

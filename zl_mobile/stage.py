@@ -67,7 +67,8 @@ class StageConfig:
                    inflight_depth=meta.get("inflight_depth", 2), replay_horizon=meta.get("replay_horizon", 16),
                    schedule=meta.get("schedule", "zerolock"), lr=conf.get("lr", 1e-3),
                    weight_decay=conf.get("weight_decay", 0.0), alpha=conf.get("alpha"),
-                   keep_checkpoints=conf.get("keep_checkpoints", 2), total_micro_batches=conf.get("total_micro_batches"), rollback_to_window=conf.get("rollback_to_window"),
+                   keep_checkpoints=conf.get("keep_checkpoints", 2), total_micro_batches=conf.get("total_micro_batches"),
+                   rollback_to_window=conf.get("rollback_to_window"),
                    inject_failure=conf.get("inject_failure"), busy_ms=conf.get("busy_ms", 600_000))
 
 

@@ -253,7 +253,8 @@ def load_examples(path: str | None) -> LoadedExamples:
         return load_wordnet_reverse(path)  # gloss -> word, a generative task (zl_common/data/wordnet_reverse.py)
     if not os.path.exists(path):
         raise DataError(f"data file not found: {path}; pass an existing .csv (AG News) or "
-                        f".jsonl/.json file, wordnet[:validation|test], wordnet-reverse[:validation|test], or no data file for the built-in synthetic set")
+                        f".jsonl/.json file, wordnet[:validation|test], wordnet-reverse[:validation|test], "
+                        f"or no data file for the built-in synthetic set")
     if os.path.isdir(path):
         raise DataError(f"data path is a directory, not a file: {path}; pass the .csv or "
                         f".jsonl file inside it")
