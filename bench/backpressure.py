@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, bench_micro_batches, machine, now_iso, replace_md_section, run_on_phones  # noqa: E402
+from common import REPO, MiB, bench_micro_batches, machine, now_iso, replace_md_section, run_on_phones  # noqa: E402
 
 warnings.filterwarnings("ignore")
 sys.path.insert(0, str(REPO))

@@ -53,11 +53,12 @@ def worker(export: Path, chunk: int, steps: int, out: Path) -> None:
 def profile(export: Path, chunk: int, out: Path) -> None:
     """One warm step with ETDump on: ms per operator and method (XNNPACK delegate calls vs
     portable kernels), written to `out` as JSON."""
+    from executorch.devtools import Inspector
+
     from bench.export_tinyllama import _batch
     from exporter.manifest import load_manifest
     from exporter.verify import sample_lora
     from zl_common.program import ChunkProgram
-    from executorch.devtools import Inspector
 
     manifest = load_manifest(export, check_files=False)
     entry = manifest["chunks"][chunk]

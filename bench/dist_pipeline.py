@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     dest.parent.mkdir(parents=True, exist_ok=True)
     dest.write_text(json.dumps(rec, indent=2))
     cuda = device.startswith("cuda")
-    print(f"| schedule | samples/s | " + " | ".join(f"rank {i} peak RSS MiB" + (" / CUDA MiB" if cuda else "")
+    print("| schedule | samples/s | " + " | ".join(f"rank {i} peak RSS MiB" + (" / CUDA MiB" if cuda else "")
                                                     for i in range(k)) + " |")
     print("|---|---|" + "---|" * k)
     for res in results:

@@ -107,6 +107,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-doc", action="store_true")
     a = p.parse_args(argv)
     import shutil
+
     import torch
 
     shutil.rmtree(a.work, ignore_errors=True)

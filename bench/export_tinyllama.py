@@ -31,8 +31,18 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (REPO, machine, memory_snapshot, median, mib, now_iso, proc_status,  # noqa: E402
-                    replace_md_section, run_sampled)
+from common import (  # noqa: E402
+    REPO,
+    machine,
+    median,
+    memory_snapshot,
+    mib,
+    now_iso,
+    proc_status,
+    replace_md_section,
+    run_sampled,
+)
+
 from zl_mobile.telemetry import take_peak_rss_bytes  # noqa: E402
 
 TINYLLAMA = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
@@ -237,11 +247,10 @@ def pte_ops(pte: Path) -> dict:
 # --------------------------------------------------------------------------------------------
 
 def build_model(config_name: str):
+    import torch
     from transformers import LlamaForCausalLM
 
     from exporter.model_source import llama_config
-
-    import torch
     torch.manual_seed(MODEL_SEED)
     return LlamaForCausalLM(llama_config(**CONFIGS[config_name])).eval()
 

@@ -45,6 +45,7 @@ def _programs(w, layout: str):
     import torch.nn.functional as F
     from executorch.backends.xnnpack import XnnpackPartitioner
     from executorch.exir import EdgeCompileConfig, to_edge, to_edge_transform_and_lower
+
     from zl_common.et_runtime import runtime
 
     class Gemm(nn.Module):

@@ -37,7 +37,6 @@ def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int,
     from host.coordinator import Coordinator
     from host.emulate import start_phones
     from host.plan import RunSettings
-
     from zl_mobile.telemetry import read_pss_bytes
 
     phones = start_phones(n, root / "phones", prefix=f"{runtime[0]}", runtimes=[runtime] * n, cpu_shares=shares)

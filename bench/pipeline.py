@@ -69,7 +69,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, bench_micro_batches, cpu_shares, machine, now_iso, run_on_phones  # noqa: E402
+from common import REPO, MiB, bench_micro_batches, cpu_shares, machine, now_iso, run_on_phones  # noqa: E402
 
 warnings.filterwarnings("ignore")
 
@@ -548,7 +548,7 @@ def main(argv=None) -> int:
                         "inflight_depth": a.inflight_depth, "stages": len(chunks), "backend": a.backend,
                         "torch_device": a.torch_device, "cores_per_stage": None if shares else a.cores_per_stage,
                         "links": links, "delays_ms": delays, "cpu_shares": shares,
-                        "phones": (f"unpinned, each held to its CPU share (zl-phone --cpu-share), --threads 1"
+                        "phones": ("unpinned, each held to its CPU share (zl-phone --cpu-share), --threads 1"
                                    if shares else f"one per {a.cores_per_stage} core(s), --threads {a.cores_per_stage}")},
            "reps": a.reps, "runs": runs, "raw_runs": raw_runs, "ratios_zerolock_over_baseline_local": ratios,
            "ratios_link": ref_name,

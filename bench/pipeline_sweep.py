@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, bench_micro_batches, cpu_shares, machine, now_iso  # noqa: E402
+from common import REPO, MiB, bench_micro_batches, cpu_shares, machine, now_iso  # noqa: E402
 from pipeline import analyse, chunk_spec, run_once, save_figure  # noqa: E402
 
 METHODS = ("zerolock", "gpipe", "1f1b", "pipedream")

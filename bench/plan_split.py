@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     from host.plan import RunSettings
     from host.plan_cli import emulated_phone_args, make_plan, parse_list
     from host.profile import export_calibration, profile_devices, save_profile
-    from host.split_planner import even_chunks, evaluate_split
+    from host.split_planner import evaluate_split, even_chunks
 
     shares = [float(s) for s in a.shares.split(",")]
     n = len(shares)

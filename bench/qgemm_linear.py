@@ -5,11 +5,17 @@ by ExecuTorch's XnnpackPartitioner from the decomposed q/dq pattern. Prints the 
 
   python bench/qgemm_linear.py 5632 2048 128 qc8w     # N K tokens fp32|qc8w|qb4w
 """
-import sys, time, torch, torch.nn as nn, torch.nn.functional as F
+import sys
+import time
+
+import torch
 import torch.ao.quantization.fx._decomposed  # registers quantized_decomposed ops
-from executorch.exir import to_edge_transform_and_lower, ExecutorchBackendConfig
+import torch.nn as nn
+import torch.nn.functional as F
 from executorch.backends.xnnpack import XnnpackPartitioner
+from executorch.exir import ExecutorchBackendConfig, to_edge_transform_and_lower
 from executorch.runtime import Runtime
+
 qd = torch.ops.quantized_decomposed
 torch.manual_seed(0)
 N, K, M = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])

@@ -140,7 +140,7 @@ def load_base(cache: Path):
 
 
 def make_data(tok, a):
-    from zl_common.data import encode_examples, make_microbatches, wordnet_splits
+    from zl_common.data import encode_examples, wordnet_splits
 
     splits = wordnet_splits(seed=a.data_seed)
     labels = sorted({e["completion"] for e in splits["train"]})
@@ -707,9 +707,9 @@ def markdown(res) -> str:
         f"{a['data_seed']}), seq len {a['seq_len']}, micro-batch {a['micro_batch']}, window {a['window']} "
         f"micro-batch(es); seeds and LR per method in the table, the LR "
         + (f"chosen by validation answer NLL from {swept(res)}" if res.get("sweep") else "given (no sweep)")
-        + f". SmolLM2-135M-Instruct "
-        f"(GGUF Q4_1 dequantized to fp32), 3 chunks (layers 0-9, 10-19, 20-29), LoRA r=8, lora_alpha=16, "
-        f"q_proj/v_proj, zl_mobile AdamW, token-level window mean.",
+        + ". SmolLM2-135M-Instruct "
+        "(GGUF Q4_1 dequantized to fp32), 3 chunks (layers 0-9, 10-19, 20-29), LoRA r=8, lora_alpha=16, "
+        "q_proj/v_proj, zl_mobile AdamW, token-level window mean.",
         "",
         "| method | seeds | LR | choice acc. | label acc. | answer NLL | "
         "per chunk: choice acc. (0 / 1 / 2) | delta_k (0 / 1 / 2) |",

@@ -44,7 +44,7 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import MiB, REPO, bench_micro_batches, cpu_shares, machine, median, now_iso, run_on_phones  # noqa: E402
+from common import REPO, MiB, bench_micro_batches, cpu_shares, machine, median, now_iso, run_on_phones  # noqa: E402
 
 warnings.filterwarnings("ignore")
 

@@ -252,7 +252,6 @@ def plot(rows, methods, stage_counts, path: Path, name) -> str:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from pipeline import save_figure
 
     links = list(dict.fromkeys((r["rate_mbit"], r["delay_ms"]) for r in rows))

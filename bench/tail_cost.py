@@ -15,7 +15,6 @@ import os
 import sys
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -98,7 +97,7 @@ def markdown(res) -> str:
     rows = res["rows"]
     base = next((r for r in rows if r["depth"] == "0"), None)
     k = len(res["chunks"])
-    lines = [f"| tail:D | CPU s per micro-batch, chunk " + " / ".join(map(str, range(k))) + " | vs tail:0 | "
+    lines = ["| tail:D | CPU s per micro-batch, chunk " + " / ".join(map(str, range(k))) + " | vs tail:0 | "
              "frozen layers run beside the chunk's own (" + " / ".join(str(n) for n in rows[0]["chunk_layers"]) + ") |",
              "|---|---|---|---|"]
     for r in rows:

@@ -96,6 +96,7 @@ def worker(pte: Path, shim: Path, mode: str, k: int, m: int) -> dict:
     import ctypes
 
     import torch
+
     from zl_common.et_runtime import runtime
 
     rt = runtime()  # loads libexecutorch.so, which the shim then shares

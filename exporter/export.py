@@ -20,22 +20,39 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from zl_common.hashing import sha256_file
+
 from . import __version__
 from .base_weights import quantize_base, stored_formats
-from .chunk_model import (PROBE, PROBE_GRAD, BPChunkModel, ChunkModel, add_lora, bp_example_inputs,
-                          bp_input_names, example_inputs, input_names, peft_name)
 from .chunk_jobs import default_jobs, run_chunk_jobs
+from .chunk_model import (
+    PROBE,
+    PROBE_GRAD,
+    BPChunkModel,
+    ChunkModel,
+    add_lora,
+    bp_example_inputs,
+    bp_input_names,
+    example_inputs,
+    input_names,
+    peft_name,
+)
 from .chunk_spec import parse_chunk_spec
 from .config import ExportConfig, readout_lens_layers, readout_problem, tail_depth
 from .errors import ExportError, OutputDirError, VerifyError
+from .gguf_model import load_gguf_tokenizer
 from .lower import joint_program, lower_two_phase
 from .lowering_cache import PreprocessCache
+from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, MODES, file_entry, ptd_contents, tensor_desc, write_manifest
+from .model_source import (
+    load_base_model,
+    load_model_dir,
+    resolve_model,
+    source_num_layers,
+    weights_sha256,
+    write_tiny_model_dir,
+)
 from .training_metadata import training_constant_methods
-from .manifest import (FORMAT, FORMAT_VERSION, MANIFEST, MODES, file_entry, ptd_contents, tensor_desc,
-                       write_manifest)
-from .gguf_model import load_gguf_tokenizer
-from .model_source import (file_sha256, load_base_model, load_model_dir, resolve_model, source_num_layers,
-                           weights_sha256, write_tiny_model_dir)
 from .two_phase import split_at_marker
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
@@ -169,7 +186,7 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         hf_cfg = model.config
         ranges = parse_chunk_spec(chunks_spec, hf_cfg.num_hidden_layers)
         model_ref["weights_sha256"] = (weights_sha256(model_dir) if model_dir else
-                                       file_sha256(gguf_file) if gguf_file else None)
+                                       sha256_file(gguf_file) if gguf_file else None)
         model_ref["config"] = {k: getattr(hf_cfg, k) for k in (
             "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "vocab_size", "rms_norm_eps")}

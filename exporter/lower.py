@@ -8,8 +8,13 @@ import torch
 from torch.export.experimental import _export_forward_backward
 
 from .chunk_model import ChunkModel
-from .graph_passes import (casts_as_dequantize, drop_identity_ops, fold_weight_transposes, sink_weight_only_nodes,
-                           weight_only_nodes)
+from .graph_passes import (
+    casts_as_dequantize,
+    drop_identity_ops,
+    fold_weight_transposes,
+    sink_weight_only_nodes,
+    weight_only_nodes,
+)
 from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
 from .partition_sort import sort_partitions_once
 from .redundant_decompositions import skip_redundant_decompositions

@@ -147,4 +147,3 @@ def load_base_model(path: str | Path):
     return load_model_dir(Path(path))
 
 
-from zl_common.hashing import sha256_file as file_sha256  # noqa: E402  (one streamed sha256 for the project)

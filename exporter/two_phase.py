@@ -21,8 +21,7 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 from torch.export.exported_program import ExportedProgram, ModuleCallEntry, ModuleCallSignature
-from torch.export.graph_signature import (ExportGraphSignature, InputKind, InputSpec, OutputKind,
-                                          OutputSpec, TensorArgument)
+from torch.export.graph_signature import ExportGraphSignature, InputKind, InputSpec, OutputKind, OutputSpec, TensorArgument
 
 from .marker import is_marker
 

@@ -43,9 +43,8 @@ def cmd_devices(a) -> int:
 
 
 def cmd_emulate(a) -> int:
-    from .emulate import cpu_shares, start_phones
     from .devices import PHONES_HOME
-
+    from .emulate import cpu_shares, start_phones
     from .kotlin_phone import advertise, parse_runtimes
 
     shares = cpu_shares(a.cpu_share, a.n)

@@ -41,13 +41,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .plan import RunSettings
-
 from zl_mobile.checkpoint import CheckpointStore
 from zl_mobile.readout import readout_positions
 from zl_mobile.schedules import schedule
 from zl_mobile.stage_core import FAILURE_POINTS, Faults, StageCore, present
 from zl_mobile.telemetry import read_pss_bytes, read_temperature_c, take_peak_rss_bytes
+
+from .plan import RunSettings
 
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "zerobubble")
 STORE = None  # this attempt's rendezvous store (commit notices go through it)
@@ -126,6 +126,7 @@ def pick_device(spec: str) -> torch.device:
 def load_run_inputs(a):
     """(manifest, train micro-batches, windows): the data exactly as `zl-host run` prepares it."""
     from exporter.manifest import ManifestError, load_manifest
+
     from .cli_error import CliError
     from .evaluate import split_held_out
     from .run_config import RunConfig

@@ -46,7 +46,6 @@ def build_bp_chunk(export_dir: Path, manifest: dict, k: int, device: torch.devic
     from safetensors.torch import load_file
 
     from exporter.chunk_model import PROBE, peft_name
-
     from zl_mobile.eager_program import _build_chunk, _export_config
 
     chunk_entry = manifest["chunks"][k]

@@ -191,7 +191,7 @@ def make_plan(model: str, export: dict, profiles: list[dict], window_size: int, 
               link_mbit: float | None = None, scales: dict | None = None):
     """(plan, even split's prediction, phone models) for these profiles."""
     from .profile import check_matches, frame_bytes, model_layers, phone_model
-    from .split_planner import even_chunks, evaluate_split, plan_split
+    from .split_planner import evaluate_split, even_chunks, plan_split
 
     check_matches(profiles, export)
     L = model_layers(model)

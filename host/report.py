@@ -91,9 +91,9 @@ def write_report(run_dir: Path, summary: dict) -> Path:
           f"steps {summary.get('windows')}, lr {summary.get('lr')}",
           f"- wall time: {summary.get('seconds', 0):.1f} s, throughput {summary.get('samples_per_s', 0):.2f} samples/s",
           f"- recoveries: {summary.get('recoveries', 0)}",
-          *([f"- forward-only stages (LR 0: phase 1 only, their LoRA left at the init): "
+          *(["- forward-only stages (LR 0: phase 1 only, their LoRA left at the init): "
              + ", ".join(map(str, forward_only))] if forward_only else []),
-          *([f"- CPU budgets (share of one core, zl-phone --cpu-share): "
+          *(["- CPU budgets (share of one core, zl-phone --cpu-share): "
              + ", ".join(f"stage {k} {hello[k]['cpu_share']:g}" for k in sorted(hello) if "cpu_share" in hello[k])]
             if any("cpu_share" in h for h in hello.values()) else []), "",
           "| stage | device | CPU share | first loss | last loss | task | consistency | PSS MiB | temp °C | active |",

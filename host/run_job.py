@@ -191,7 +191,8 @@ def _emulated(cfg: RunConfig, job: Job, n: int) -> Devices:
 
 def _real(cfg: RunConfig, job: Job) -> Devices:
     from .adb_wiring import AdbLinks
-    from .devices import DeviceLookupError, load_tokens, resolve as resolve_devices
+    from .devices import DeviceLookupError, load_tokens
+    from .devices import resolve as resolve_devices
 
     events: list = []  # the live view does not exist yet when the control ports are forwarded
     adb = AdbLinks(data_port=cfg.adb_data_port, staging_dir=cfg.adb_staging,

@@ -10,9 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from host.adb import (AdbPhone, AdbUnavailable, DumpsysParseError, adb_status, find_adb,
-                      list_adb_devices, parse_battery_temp_c, parse_meminfo_pss_kib,
-                      read_pss_kib)
+from host.adb import (
+    AdbPhone,
+    AdbUnavailable,
+    DumpsysParseError,
+    adb_status,
+    find_adb,
+    list_adb_devices,
+    parse_battery_temp_c,
+    parse_meminfo_pss_kib,
+    read_pss_kib,
+)
 
 DATA = Path(__file__).parent / "data" / "dumpsys"
 

@@ -24,8 +24,18 @@ from pathlib import Path
 import pytest
 
 from host import adb
-from host.adb_wiring import (APP_PACKAGE, APP_PORT, HOST, AdbLinks, AdbPushUnavailable, Peer, Route,
-                             WiringError, peer_of, plan_route)
+from host.adb_wiring import (
+    APP_PACKAGE,
+    APP_PORT,
+    HOST,
+    AdbLinks,
+    AdbPushUnavailable,
+    Peer,
+    Route,
+    WiringError,
+    peer_of,
+    plan_route,
+)
 from host.coordinator import DeviceHandle
 
 from .emulated_adbd import EmulatedAdbd, usb_phone_sandbox
@@ -418,10 +428,10 @@ def test_run_over_usb_pushes_once_forwards_reverses_and_cleans_up(adb_server, sm
 def test_mixed_usb_and_local_phones_with_protocol_fallback(adb_server, small_export, tmp_path):
     """Stage order USB -> local -> USB covers host->adb, adb->local (reverse only) and local->adb
     (forward only); the last phone's app is not debuggable, so its files go by FILE_* instead."""
-    from tests.conftest import small_micro_batches
     from host.coordinator import Coordinator
     from host.emulated_phone import EmulatedPhone
     from host.plan import RunSettings
+    from tests.conftest import small_micro_batches
 
     out = small_export[0]
     staging = tmp_path / "staging"

@@ -12,12 +12,14 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hsettings
+from hypothesis import strategies as st
 
 from host.cli import main
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
-from tests.test_recovery import _commits, assert_as_uninterrupted, lora_diff
+from tests.test_recovery import _commits, assert_as_uninterrupted
 
 SETTINGS = dict(window_size=2, lr=2e-2, inflight_depth=2)  # default horizon 6
 HORIZON = 6

@@ -10,9 +10,21 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from exporter.base_weights import (QuantizedEmbedding, QuantizedLinear, block_format, dequantize, dequantize_groups,
-                                   linear, matmul, quantize_base, quantize_groups, quantize_int4, quantize_rows,
-                                   row_blocks, stored_formats)
+from exporter.base_weights import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    block_format,
+    dequantize,
+    dequantize_groups,
+    linear,
+    matmul,
+    quantize_base,
+    quantize_groups,
+    quantize_int4,
+    quantize_rows,
+    row_blocks,
+    stored_formats,
+)
 from exporter.verify import verify_all
 from tests.conftest import SMALL_DECODE_BLOCK, as_gguf_blocks, small_export_config
 

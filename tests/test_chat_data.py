@@ -8,8 +8,7 @@ import json
 import pytest
 
 from exporter.tiny_tokenizer import build_tiny_tokenizer
-from zl_common.data import (IGNORE_INDEX, DataError, encode_examples, load_examples, tokenized_microbatches,
-                            truncation_summary)
+from zl_common.data import IGNORE_INDEX, DataError, encode_examples, load_examples, tokenized_microbatches, truncation_summary
 
 CONVERSATION = [
     {"role": "system", "content": "text topic"},

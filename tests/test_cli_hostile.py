@@ -96,8 +96,8 @@ def test_eval_refuses_an_adapter_whose_config_targets_other_modules(small_export
 
 def test_eval_refuses_a_sound_adapter_for_other_target_modules_than_the_program(small_export, adapter, tmp_path,
                                                                                capsys):
-    from safetensors.torch import save_file
     import torch
+    from safetensors.torch import save_file
 
     _, lora, manifest = adapter
     moved = {k.replace("v_proj", "k_proj"): torch.from_numpy(v) for k, v in lora.items()}  # k_proj and v_proj: same shapes

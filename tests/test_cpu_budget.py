@@ -288,7 +288,6 @@ def test_zl_host_run_budgets_its_phones_and_the_report_shows_it(small_export, tm
 
 def test_budgets_are_for_emulated_phones_only(one_stage_export, tmp_path, capsys):
     from host.cli import main
-
     from zl_common.data import synthetic_examples
 
     data = tmp_path / "train.jsonl"

@@ -12,9 +12,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exporter.tiny_tokenizer import TINY_VOCAB_SIZE, build_tiny_tokenizer, tiny_vocab
-from zl_common.data import (DEFAULT_SYNTHETIC_N, IGNORE_INDEX, LABELS, DataError, encode_examples,
-                       load_examples, make_microbatches, synthetic_examples,
-                       synthetic_vocabulary)
+from zl_common.data import (
+    DEFAULT_SYNTHETIC_N,
+    IGNORE_INDEX,
+    LABELS,
+    DataError,
+    encode_examples,
+    load_examples,
+    make_microbatches,
+    synthetic_examples,
+    synthetic_vocabulary,
+)
 from zl_mobile.readout import readout_positions
 
 

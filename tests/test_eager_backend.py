@@ -20,9 +20,9 @@ from exporter.verify import bp_zero_probe, sample_lora
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 from tests.test_export_bp import _batch
+from zl_common.program import ChunkProgram, ProgramError
 from zl_mobile.backends import EAGER_CAPABILITY, Backend
 from zl_mobile.eager_program import GRAPH, EagerChunkProgram
-from zl_common.program import ChunkProgram, ProgramError
 
 TOL = 1e-5  # relative; fp32, the same ops in the same order (measured: ~1e-6)
 

@@ -16,6 +16,7 @@ from exporter.manifest import load_manifest
 from exporter.two_phase import split_at_marker
 from exporter.verify import failures, sample_lora, verify_all, verify_chunk
 from zl_common.program import ChunkProgram
+
 from .conftest import matmul_flops
 
 
@@ -248,7 +249,8 @@ def test_the_android_training_module_route_runs_the_programs_as_the_phone_does(s
     from executorch.extension.pybindings.portable_lib import _load_for_executorch
     from executorch.extension.training.pybindings._training_module import TrainingModule
 
-    from zl_common.program import ChunkProgram as DirectProgram, NamedMethods
+    from zl_common.program import ChunkProgram as DirectProgram
+    from zl_common.program import NamedMethods
 
     class AndroidRoute(NamedMethods):  # ChunkProgram.kt's run(), line for line
         def __init__(self, export_dir, chunk):

@@ -67,7 +67,7 @@ def test_export_from_gguf_records_the_base_and_reads_tied_embeddings_once(gguf_e
 
     from exporter.gguf_model import load_gguf_tokenizer
     from exporter.manifest import ptd_contents
-    from exporter.model_source import file_sha256
+    from zl_common.hashing import sha256_file as file_sha256
 
     out, stderr = gguf_export
     path, model = gguf_llama
@@ -165,8 +165,7 @@ def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_e
     the exported program passes; the same program with its LoRA dropped, or checked against a
     weight perturbed by 1%, fails, though both differences are far below the massive value."""
     from exporter.chunk_model import example_inputs, input_names, peft_name
-    from exporter.verify import (FLOOR, _as64, _float64, eager_outputs, failures, judge, program_outputs, sample_lora,
-                                 verify_chunk)
+    from exporter.verify import FLOOR, _as64, _float64, eager_outputs, failures, judge, program_outputs, sample_lora, verify_chunk
     from zl_common.program import ChunkProgram
 
     out, _ = gguf_export

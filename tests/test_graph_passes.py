@@ -8,10 +8,16 @@ import pytest
 import torch
 from peft import get_peft_model
 
-from exporter.chunk_model import (BPChunkModel, ChunkModel, bp_example_inputs, bp_input_names, example_inputs,
-                                  input_names, lora_config)
-from exporter.graph_passes import (drop_identity_ops, fold_weight_transposes, frozen_placeholders, op_counts,
-                                   weight_transposes)
+from exporter.chunk_model import (
+    BPChunkModel,
+    ChunkModel,
+    bp_example_inputs,
+    bp_input_names,
+    example_inputs,
+    input_names,
+    lora_config,
+)
+from exporter.graph_passes import drop_identity_ops, fold_weight_transposes, frozen_placeholders, op_counts, weight_transposes
 from exporter.lower import joint_program, lower_two_phase
 from exporter.model_source import load_model_dir
 from exporter.two_phase import split_at_marker

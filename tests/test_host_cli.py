@@ -10,10 +10,9 @@ import numpy as np
 import pytest
 
 from host.cli import main
-from zl_common.data import synthetic_examples
 from host.emulate import start_phones
+from zl_common.data import synthetic_examples
 from zl_mobile.processes import pid_alive
-
 
 from .conftest import cli_error_line as _error_line  # noqa: E402
 
@@ -84,10 +83,10 @@ def test_eval_shows_prompts_with_both_answers(e2e, data_file, capsys):
     """--show N: N held-out rows, each prompt (up to 'topic :') with its expected answer."""
     from transformers import AutoTokenizer
 
-    from host.answers import prompts_and_answers
-    from host.run_data import prepare_data
-    from host.evaluate import split_held_out
     from exporter.manifest import load_manifest
+    from host.answers import prompts_and_answers
+    from host.evaluate import split_held_out
+    from host.run_data import prepare_data
 
     out, run, rc, _ = e2e
     _, held_out = split_held_out(prepare_data(out, load_manifest(out), str(data_file), training=False))

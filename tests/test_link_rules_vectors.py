@@ -19,8 +19,19 @@ import numpy as np
 import pytest
 
 from zl_mobile.links import LINK_MAX_CONNECTIONS, NO_END, InboundLink, InboundQueue, OutboundLink, unusable_reason
-from zl_mobile.protocol import (ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError, host_handshake,
-                                new_token, recv_message, send_message, device_handshake)
+from zl_mobile.protocol import (
+    ConnectionClosed,
+    DeviceAuth,
+    ErrorCode,
+    Message,
+    MsgType,
+    ProtocolError,
+    device_handshake,
+    host_handshake,
+    new_token,
+    recv_message,
+    send_message,
+)
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "link_rules" / "link_rules.json").read_text())
 TIMEOUT = 10.0

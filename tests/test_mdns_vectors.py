@@ -9,8 +9,17 @@ from pathlib import Path
 
 import pytest
 
-from zl_mobile.mdns import (MAX_LABEL_BYTES, PROTO, SERVICE_TYPE, check_instance_name, check_txt, escape_instance,
-                            instance_name_problem, unescape_instance, InstanceNameError)
+from zl_mobile.mdns import (
+    MAX_LABEL_BYTES,
+    PROTO,
+    SERVICE_TYPE,
+    InstanceNameError,
+    check_instance_name,
+    check_txt,
+    escape_instance,
+    instance_name_problem,
+    unescape_instance,
+)
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "mdns" / "mdns.json").read_text())
 

@@ -6,7 +6,6 @@ import secrets
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np

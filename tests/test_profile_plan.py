@@ -10,8 +10,8 @@ import sys
 import pytest
 
 from host.cli import main
-from zl_common.data import synthetic_examples
 from host.drift import DriftWatch, describe
+from zl_common.data import synthetic_examples
 
 MiB = 2**20
 EXPORT = ["--seq-len", "16", "--micro-batch", "2", "--loss-positions", "8", "--backend", "portable"]

@@ -17,8 +17,18 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from zl_mobile.protocol import (DEFAULT_MAX_FRAME, HEADER_SIZE, ConnectionClosed, FrameDecoder, Message,
-                                MsgType, ProtocolError, decode_message, encode_message, recv_message)
+from zl_mobile.protocol import (
+    DEFAULT_MAX_FRAME,
+    HEADER_SIZE,
+    ConnectionClosed,
+    FrameDecoder,
+    Message,
+    MsgType,
+    ProtocolError,
+    decode_message,
+    encode_message,
+    recv_message,
+)
 from zl_mobile.protocol.frames import encode_header
 
 TESTS = Path(__file__).parent

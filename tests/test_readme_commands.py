@@ -25,8 +25,7 @@ import pytest
 from zl_common.data.synthetic import LABELS, synthetic_examples
 
 from .conftest import SMALL_CHUNKS
-from .readme_commands import (ROOT, all_commands, cannot_run, comment_flags, help_command, parse,
-                              placeholders)
+from .readme_commands import ROOT, all_commands, cannot_run, comment_flags, help_command, parse, placeholders
 
 COMMANDS = all_commands()
 FIRST_EXPORT = next((c for c in COMMANDS if c.argv[:1] == ["zl-export"]), None)

@@ -13,8 +13,8 @@ from exporter.verify import sample_lora
 from tests.conftest import SMALL_CHUNKS, small_export_config, small_micro_batches
 from tests.test_eager_backend import TOL, _rel, _zl_batch
 from tests.test_export_bp import _batch
-from zl_mobile.eager_program import EagerChunkProgram
 from zl_common.program import ChunkProgram
+from zl_mobile.eager_program import EagerChunkProgram
 
 
 def test_fit_recovers_an_affine_map():

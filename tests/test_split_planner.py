@@ -8,8 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.split_planner import (InfeasibleError, PhoneModel, even_chunks, evaluate_split, ideal_time,
-                                plan_split)
+from host.split_planner import InfeasibleError, PhoneModel, evaluate_split, even_chunks, ideal_time, plan_split
 
 MiB = 2**20
 

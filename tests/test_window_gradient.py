@@ -15,9 +15,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zl_common.data import DataError, check_loss_positions
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
+from zl_common.data import DataError, check_loss_positions
 from zl_mobile.accumulate import WindowGradients
 from zl_mobile.checkpoint import CheckpointStore
 

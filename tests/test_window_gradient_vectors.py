@@ -5,7 +5,6 @@ check it is current and that what it holds is the token-level rule, not an artef
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest

@@ -71,8 +71,9 @@ class Backend:
         if self.name == "executorch":
             return ("program", "weights", "lora_init")
         if "eager_weights" not in chunk:
-            from .eager_program import EAGER_FIX
             from zl_common.program import ProgramError
+
+            from .eager_program import EAGER_FIX
 
             raise ProgramError(f"the export has no eager-backend weights for chunk {chunk.get('index')}: {EAGER_FIX}")
         return ("eager_weights", "lora_init")

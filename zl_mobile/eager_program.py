@@ -90,9 +90,8 @@ def _build_chunk(weights: Path, hf_config: dict, cfg, first: int, last: int, bp_
 
     from exporter.base_weights import adopt_stored, quantize_base
     from exporter.chunk_model import BPChunkModel, ChunkModel, lora_config
-    from exporter.readout_lens import from_tensors
-
     from exporter.config import tail_depth, tail_end
+    from exporter.readout_lens import from_tensors
 
     conf = LlamaConfig(**hf_config)
     # a ZeroLock chunk's readout tail (--readout tail:D) runs the layers after it too, at the base

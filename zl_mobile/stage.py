@@ -21,15 +21,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zl_common.program import ChunkProgram
+
 from .checkpoint import CheckpointStore
 from .links import STALL_S, InboundLink, InboundQueue, OutboundLink, link_frame_limit, unusable_reason
-from zl_common.program import ChunkProgram
 from .protocol import Message, MsgType
 from .readout import readout_positions
 from .replay_store import ReplayStore
 from .schedules import forwards_held, schedule
-from .stage_core import (FAILURE_EXIT_CODE, FAILURE_POINTS, SLOW_POINT, STALL_POINT, AppFailure as _AppFailure,  # noqa: F401
-                         Faults, StageCore, present as _present)
+from .stage_core import FAILURE_EXIT_CODE, FAILURE_POINTS, SLOW_POINT, STALL_POINT, Faults, StageCore  # noqa: F401
+from .stage_core import AppFailure as _AppFailure
+from .stage_core import present as _present
 from .telemetry import PssSampler, read_pss_by_backing, read_pss_bytes, read_temperature_c, runtime_pss_bytes, take_peak_rss_bytes
 
 log = logging.getLogger("zl_mobile.stage")

@@ -21,8 +21,15 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from zl_mobile.protocol import (DEFAULT_MAX_FRAME, Message, MsgType, bf16_from_float32,  # noqa: E402
-                                device_proof, encode_message, host_proof)
+from zl_mobile.protocol import (  # noqa: E402
+    DEFAULT_MAX_FRAME,
+    Message,
+    MsgType,
+    bf16_from_float32,
+    device_proof,
+    encode_message,
+    host_proof,
+)
 from zl_mobile.protocol.frames import HEADER_SIZE, encode_header  # noqa: E402
 from zl_mobile.protocol.handshake import DEVICE_LABEL, HOST_LABEL  # noqa: E402
 from zl_mobile.protocol.tensors import as_wire_array, to_float_values  # noqa: E402
