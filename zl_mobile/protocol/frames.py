@@ -66,7 +66,7 @@ def parse_header(data: bytes | bytearray | memoryview, max_frame: int = DEFAULT_
                             "endpoint or the stream lost sync (reconnect)")
     if version != FRAME_VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION,
-                            f"frame version {version} not supported (this side speaks {FRAME_VERSION}); "
+                            f"protocol version {version} not supported (this side speaks {FRAME_VERSION} in frame headers); "
                             "upgrade the older of host and device so both speak the same version")
     (crc,) = struct.unpack_from("<I", data, 12)
     if zlib.crc32(bytes(data[:12])) != crc:

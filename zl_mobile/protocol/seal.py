@@ -91,18 +91,26 @@ class Seal:
         self.received = received  # counter of the next frame expected
         self._lock = threading.Lock()
 
-    def seal(self, header: bytes, body: bytes) -> bytes:
+    def seal(self, header: bytes, body: bytes, out=None) -> bytes:
+        """Ciphertext || tag; with `out` (len(body) + 16 bytes, e.g. a view into the frame being
+        built) written there instead of into a new buffer: one copy less per frame."""
         with self._lock:
             n = self.sent
             if n > MAX_COUNTER:
                 raise ProtocolError(ErrorCode.INTERNAL, "2^64 frames sent on one connection; reconnect")
             self.sent = n + 1
-        return self._send.encrypt(nonce(n), body, header)
+        if out is None:
+            return self._send.encrypt(nonce(n), body, header)
+        self._send.encrypt_into(nonce(n), body, header, out)
+        return out
 
-    def open(self, header: bytes, sealed: bytes, what: str) -> bytes:
+    def open(self, header: bytes, sealed, what: str) -> bytearray:
+        """The plaintext, in a new writable buffer (received tensors view it, as they view a plain
+        frame's body)."""
         n = self.received
+        plain = bytearray(len(sealed) - TAG_BYTES)
         try:
-            plain = self._recv.decrypt(nonce(n), sealed, header)
+            self._recv.decrypt_into(nonce(n), sealed, header, plain)
         except InvalidTag:
             raise ProtocolError(ErrorCode.UNAUTHENTICATED,
                                 f"sealed {what} frame #{n} failed to open (altered, replayed, dropped or reordered "

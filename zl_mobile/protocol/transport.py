@@ -61,8 +61,13 @@ def send_message(sock: socket.socket, msg: Message, *, limiter: Limiter | None =
     if seal is not None:
         body = encode_body(msg)
         header = encode_header(msg.type, len(body) + TAG_BYTES, flags=SEALED_FLAG)
-        sealed = seal.seal(header, body)
-        frame = b"".join((header, sealed, struct.pack("<I", zlib.crc32(sealed))))
+        frame = bytearray(HEADER_SIZE + len(body) + TAG_BYTES + TRAILER_SIZE)
+        frame[:HEADER_SIZE] = header
+        with memoryview(frame) as view:
+            sealed = view[HEADER_SIZE:-TRAILER_SIZE]
+            seal.seal(header, body, out=sealed)  # encrypted straight into the frame
+            struct.pack_into("<I", frame, len(frame) - TRAILER_SIZE, zlib.crc32(sealed))
+            sealed.release()
         _send(sock, frame, limiter)
         return len(frame)
     total = 0
