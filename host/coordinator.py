@@ -102,8 +102,10 @@ class Coordinator:
             raise DeviceError(f"{st.device.name} (adb {st.device.serial}): nothing answered on the app's port "
                               f"through adb forward {st.device.endpoint} ({type(e).__name__}: {e}); open ZeroLock on "
                               "the phone and tap Start serving") from None
-        if st.client.hello["protocol_version"] != 1:
-            raise RunError(f"{st.device.name} speaks protocol {st.client.hello['protocol_version']}, this host 1: "
+        from zl_mobile.protocol import PROTOCOL_VERSION
+        if st.client.hello["protocol_version"] != PROTOCOL_VERSION:
+            raise RunError(f"{st.device.name} speaks protocol {st.client.hello['protocol_version']}, this host "
+                           f"{PROTOCOL_VERSION}: "
                            "update the app or zl_mobile on the device")
 
     def _entry(self, k: int) -> dict:

@@ -136,10 +136,10 @@ def advertise(phones) -> list:
 
 def txt_for(phone) -> dict[str, str]:
     """A Kotlin phone's TXT record: zl-phone's, `cpu_share` included when it is held to one."""
-    from zl_mobile.mdns import txt_record
+    from zl_mobile.mdns import PROTO, txt_record
     from zl_mobile.telemetry import total_memory_bytes
 
     args = phone.extra_args
     share = float(args[args.index("--cpu-share") + 1]) if "--cpu-share" in args else None
-    return txt_record(phone.name, 1, "kotlin/executorch", total_memory_bytes(), cpu_share=share)
+    return txt_record(phone.name, PROTO, "kotlin/executorch", total_memory_bytes(), cpu_share=share)
 

@@ -283,3 +283,19 @@ def cli_error_line(capsys) -> str:
     lines = [line for line in err.splitlines() if line.startswith("zl-host: error:")]
     assert len(lines) == 1, err
     return lines[0]
+
+
+def sealed_frame(sock, frame: bytes) -> bytes:
+    """A hand-built (plain) frame as the record layer of `sock`'s session sends it (PROTOCOL.md 6.1):
+    tests that send broken or partial frames after the handshake build them with this, since a
+    plain frame there is refused for its flags alone before anything else is looked at."""
+    import struct
+    import zlib
+
+    from zl_mobile.protocol.frames import SEALED_FLAG, encode_header
+    from zl_mobile.protocol.seal import TAG_BYTES, seal_of
+
+    body = frame[16:-4]
+    header = encode_header(frame[5], len(body) + TAG_BYTES, flags=SEALED_FLAG)
+    ct = seal_of(sock).seal(header, body)
+    return header + ct + struct.pack("<I", zlib.crc32(ct))

@@ -21,9 +21,9 @@ def test_auto_names_each_phone_it_cannot_use_and_why(tmp_path):
     from host.devices import DeviceLookupError, resolve
 
     (busy,) = start_phones(1, tmp_path / "phones", prefix=f"{TAG}-busy")  # a real zl-phone, on mDNS
-    ads = [Advertisement(f"{TAG}-notoken", 40061, txt_record(f"{TAG}-notoken", 1, "fake/x", 2**30)),
-           Advertisement(f"{TAG}-old", 40062, txt_record(f"{TAG}-old", 2, "fake/x", 2**30)),
-           Advertisement(f"{TAG}-small", 40063, txt_record(f"{TAG}-small", 1, "fake/x", 2**20))]
+    ads = [Advertisement(f"{TAG}-notoken", 40061, txt_record(f"{TAG}-notoken", 2, "fake/x", 2**30)),
+           Advertisement(f"{TAG}-old", 40062, txt_record(f"{TAG}-old", 1, "fake/x", 2**30)),
+           Advertisement(f"{TAG}-small", 40063, txt_record(f"{TAG}-small", 2, "fake/x", 2**20))]
     tokens = {f"{TAG}-small": new_token(), f"{TAG}-old": new_token(), busy.name: busy.token}
     other_host = DeviceClient(busy.name, busy.endpoint, busy.token, queue.Queue())  # holds the phone's one session
     try:
@@ -41,7 +41,7 @@ def test_auto_names_each_phone_it_cannot_use_and_why(tmp_path):
     why = {ln.strip().split(" at ")[0]: ln for ln in lines[1:-1] if TAG in ln}
     assert set(why) == {f"{TAG}-notoken", f"{TAG}-old", f"{TAG}-small", busy.name}, msg
     assert "127.0.0.1:40061: no pairing token" in why[f"{TAG}-notoken"] and "--tokens FILE" in why[f"{TAG}-notoken"]
-    assert "wrong protocol (proto 2 is not this host's protocol version 1)" in why[f"{TAG}-old"]
+    assert "wrong protocol (proto 1 is not this host's protocol version 2)" in why[f"{TAG}-old"]
     assert "not enough memory (advertises 1 MiB; the smallest chunk needs 256 MiB)" in why[f"{TAG}-small"]
     assert f"{busy.endpoint}: busy, serving another host's session" in why[busy.name]
 

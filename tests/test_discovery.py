@@ -24,7 +24,7 @@ from zl_mobile.protocol import host_handshake, new_token
 
 TAG = f"t{os.getpid()}{secrets.token_hex(2)}"
 ENV = dict(os.environ, PYTHONUNBUFFERED="1")
-GOOD = {"proto": "1", "runtime": "fake/zeroconf", "mem": "1073741824"}
+GOOD = {"proto": "2", "runtime": "fake/zeroconf", "mem": "1073741824"}
 
 
 def mine(found, prefix=TAG):
@@ -56,16 +56,16 @@ def test_bad_txt_records_are_listed_with_the_reason_never_a_crash(publisher, cap
     from host.cli import main
 
     publisher(f"{TAG}-mem", 40001, {"name": f"{TAG}-mem", **GOOD, "mem": "8GB"})
-    publisher(f"{TAG}-nomem", 40002, {"name": f"{TAG}-nomem", "proto": "1", "runtime": "fake/zeroconf"})
-    publisher(f"{TAG}-proto2", 40003, {"name": f"{TAG}-proto2", **GOOD, "proto": "2"})
+    publisher(f"{TAG}-nomem", 40002, {"name": f"{TAG}-nomem", "proto": "2", "runtime": "fake/zeroconf"})
+    publisher(f"{TAG}-proto2", 40003, {"name": f"{TAG}-proto2", **GOOD, "proto": "1"})  # an unsealed (old) phone
     publisher(f"{TAG}-ok", 40004, {"name": f"{TAG}-ok", **GOOD})
     assert main(["devices", "--timeout", "3", "--mdns", "127.0.0.1"]) == 0
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith(TAG)}
     assert set(rows) == {f"{TAG}-mem", f"{TAG}-nomem", f"{TAG}-proto2", f"{TAG}-ok"}, rows
     assert "invalid: mem '8GB' is not a whole number of bytes" in rows[f"{TAG}-mem"]
     assert "invalid: mem is missing" in rows[f"{TAG}-nomem"]
-    assert "incompatible: proto 2 is not this host's protocol version 1" in rows[f"{TAG}-proto2"]
-    assert re.search(r"127\.0\.0\.1:40004 +proto 1 .* 1\.0 GiB", rows[f"{TAG}-ok"]), rows[f"{TAG}-ok"]
+    assert "incompatible: proto 1 is not this host's protocol version 2" in rows[f"{TAG}-proto2"]
+    assert re.search(r"127\.0\.0\.1:40004 +proto 2 .* 1\.0 GiB", rows[f"{TAG}-ok"]), rows[f"{TAG}-ok"]
 
     assert main(["devices", "--timeout", "3", "--mdns", "127.0.0.1", "--json"]) == 0
     listed = {d["name"]: d for d in json.loads(capsys.readouterr().out) if d["name"].startswith(TAG)}
@@ -152,7 +152,7 @@ def test_a_dotted_unicode_name_goes_out_as_one_dns_label():
     name = f"Dr. Who's phone {TAG} \u96fb\u8a71"
     sniff = Sniffer()
     try:
-        ad = Advertisement(name, 40021, txt_record(name, 1, "fake/x", 5))
+        ad = Advertisement(name, 40021, txt_record(name, 2, "fake/x", 5))
         try:
             assert ad.instance == f"{name}.{SERVICE_TYPE}" and not ad.renamed
             assert ad.presentation == f"Dr\\. Who's phone {TAG} \u96fb\u8a71._zerolock._tcp.local."
@@ -196,9 +196,9 @@ def test_a_taken_name_is_renamed_and_namesakes_are_refused_by_name(capsys):
     from host.devices import DeviceLookupError, resolve
 
     name = f"{TAG}-twin"
-    first = Advertisement(name, 40031, txt_record(name, 1, "fake/x", 5))
+    first = Advertisement(name, 40031, txt_record(name, 2, "fake/x", 5))
     try:
-        second = Advertisement(name, 40032, txt_record(name, 1, "fake/x", 5))  # another zeroconf, same name
+        second = Advertisement(name, 40032, txt_record(name, 2, "fake/x", 5))  # another zeroconf, same name
         try:
             assert (first.instance_label, first.renamed) == (name, False)
             assert (second.instance_label, second.renamed) == (f"{name} (2)", True)
@@ -227,7 +227,7 @@ def test_two_phones_claiming_one_name_at_once_end_up_with_two_names():
 
     def advertise(port):
         try:
-            ads[port] = Advertisement(name, port, txt_record(name, 1, "fake/x", 5))
+            ads[port] = Advertisement(name, port, txt_record(name, 2, "fake/x", 5))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -262,9 +262,9 @@ def test_two_claims_of_one_name_seen_after_announcing_leave_exactly_one_renamed(
         renames.append(label)
         done.set()
 
-    a = Advertisement(name, 40051, txt_record(name, 1, "fake/x", 5), probe=False, on_rename=on_rename)
+    a = Advertisement(name, 40051, txt_record(name, 2, "fake/x", 5), probe=False, on_rename=on_rename)
     try:
-        b = Advertisement(name, 40052, txt_record(name, 1, "fake/x", 5), probe=False, on_rename=on_rename)
+        b = Advertisement(name, 40052, txt_record(name, 2, "fake/x", 5), probe=False, on_rename=on_rename)
         try:
             # both claimed it (neither asked first); one may give way while b is still announcing
             assert done.wait(10), "neither device gave way"

@@ -16,7 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from zl_mobile.mdns import (MAX_LABEL_BYTES, OPTIONAL_KEYS, REQUIRED_KEYS, SERVICE_TYPE, check_txt, escape_instance,
+from zl_mobile.mdns import (PROTO, MAX_LABEL_BYTES, OPTIONAL_KEYS, REQUIRED_KEYS, SERVICE_TYPE, check_txt, escape_instance,
                             found_from, instance_name_problem, one_label_instances, renamed, txt_record,
                             unescape_instance)
 
@@ -46,9 +46,9 @@ def check_is_consistent(chk):
     assert all(isinstance(m, str) and m and "\n" not in m for m in chk.problems.values())
     assert (chk.status == "ok") == (not chk.problems)
     if chk.status == "incompatible":
-        assert chk.proto is not None and chk.proto != 1 and set(chk.problems) == {"proto"}
+        assert chk.proto is not None and chk.proto != PROTO and set(chk.problems) == {"proto"}
     if chk.status == "ok":
-        assert chk.proto == 1 and valid_instance(chk.name) and chk.runtime
+        assert chk.proto == PROTO and valid_instance(chk.name) and chk.runtime
         assert isinstance(chk.memory_bytes, int) and 0 <= chk.memory_bytes < 2**63
         assert chk.cpu_share is None or (math.isfinite(chk.cpu_share) and 0 < chk.cpu_share <= 1024)
 
@@ -58,7 +58,7 @@ def check_is_consistent(chk):
 @FUZZ
 @given(st.dictionaries(st.one_of(keys.map(str.encode), st.binary(max_size=8)), values, max_size=8))
 @example({})
-@example({b"mem": b"8GB", b"name": b"x", b"proto": b"1", b"runtime": b"r"})
+@example({b"mem": b"8GB", b"name": b"x", b"proto": b"2", b"runtime": b"r"})
 def test_any_txt_record_is_checked_without_an_exception(props):
     check_is_consistent(check_txt(props))
 
@@ -79,7 +79,7 @@ def test_one_key_of_a_real_record_changed(props, key, value):
        st.text(min_size=1, max_size=40).filter(lambda r: valid_instance(r)),
        st.one_of(st.none(), st.floats(min_value=1e-9, max_value=1024), st.sampled_from([1e-5, 0.5, 4.0, 1024.0])))
 def test_what_a_phone_advertises_reads_back_the_same(name, mem, runtime, share):
-    txt = txt_record(name, 1, runtime, mem, cpu_share=share)
+    txt = txt_record(name, 2, runtime, mem, cpu_share=share)
     chk = check_txt({k.encode(): v.encode() for k, v in txt.items()})
     assert chk.status == "ok", chk
     assert (chk.name, chk.runtime, chk.memory_bytes) == (name, runtime, mem)

@@ -141,7 +141,7 @@ def test_handshake_and_hidden_states_both_ways(device):
     with device.connect() as s:
         hello = host_handshake(s, device.token, "pytest-host")
         assert hello.type == MsgType.HELLO
-        assert hello["name"] == "kotlin-interop" and hello["protocol_version"] == 1
+        assert hello["name"] == "kotlin-interop" and hello["protocol_version"] == 2
         assert isinstance(hello["memory_bytes"], int) and "lora" in hello["capabilities"]
 
         send_message(s, Message(MsgType.HEARTBEAT, {"seq": 41}))

@@ -24,7 +24,8 @@ from zl_mobile.device import sha256_file
 from zl_mobile.protocol import (PREAUTH_MAX_FRAME, ConnectionClosed, ErrorCode, HostHandshake, Message, MsgType,
                                 ProtocolError, encode_message, host_handshake, new_token, recv_message,
                                 send_message)
-from zl_mobile.protocol.frames import encode_header
+from zl_mobile.protocol.frames import SEALED_FLAG, encode_header
+from zl_mobile.protocol.seal import TAG_BYTES, install, seal_of
 
 TIMEOUT = 10.0
 _seq = itertools.count(1000)
@@ -91,7 +92,8 @@ def expect_error_and_close(sock: socket.socket, code: ErrorCode, request_id=None
 
 
 def auth_request(**over) -> Message:
-    meta = {"protocol_version": 1, "host_nonce": secrets.token_hex(32), "host_name": "test-host"}
+    meta = {"protocol_version": 2, "host_nonce": secrets.token_hex(32), "host_name": "test-host",
+            "host_share": secrets.token_hex(32)}
     meta.update(over)
     return Message(MsgType.AUTH_REQUEST, meta)
 
@@ -102,6 +104,15 @@ def raw_frame(msg_type: int, meta: dict, *, version: int = 1, flags: int = 0) ->
     body = struct.pack("<I", len(meta_b)) + meta_b + struct.pack("<H", 0)
     return encode_header(msg_type, len(body), version=version, flags=flags) + body + \
         struct.pack("<I", zlib.crc32(body))
+
+
+def sealed(sock: socket.socket, frame: bytes) -> bytes:
+    """A hand-built frame as this session's record layer sends it (PROTOCOL.md 6.1): after the
+    handshake a plain frame is refused for its flags alone, before its body is looked at."""
+    body = frame[16:-4]
+    header = encode_header(frame[5], len(body) + TAG_BYTES, flags=SEALED_FLAG)
+    ct = seal_of(sock).seal(header, body)
+    return header + ct + struct.pack("<I", zlib.crc32(ct))
 
 
 def handshake_when_free(endpoint: str, token: str, host_name: str):
@@ -187,7 +198,7 @@ def assert_serves(phone) -> None:
             time.sleep(0.05)
     try:
         assert client.hello.type == MsgType.HELLO and client.hello["name"] == phone.name
-        assert client.hello["protocol_version"] == 1
+        assert client.hello["protocol_version"] == 2
     finally:
         client.close()
     wait_free(phone)
@@ -303,13 +314,14 @@ def test_preauth_frame_limit_is_exactly_64_KiB(phone):
 
 # ---- before authentication: handshake errors ---------------------------------------------------
 
-def test_auth_request_with_wrong_protocol_version(phone):
+@pytest.mark.parametrize("version", [1, 3])  # 1: an unsealed host of the previous version
+def test_auth_request_with_wrong_protocol_version(phone, version):
     log = Log(phone)
     sock = raw_socket(phone)
-    send_message(sock, auth_request(protocol_version=2))
+    send_message(sock, auth_request(protocol_version=version))
     msg = expect_error_and_close(sock, ErrorCode.BAD_VERSION)
-    assert "host speaks protocol version 2" in msg["message"]
-    log.wait_line("refused a connection", "BAD_VERSION:", "host speaks protocol version 2")
+    assert f"host speaks protocol version {version}" in msg["message"]
+    log.wait_line("refused a connection", "BAD_VERSION:", f"host speaks protocol version {version}")
     assert_serves(phone)
 
 
@@ -394,6 +406,7 @@ def test_busy_at_auth_response_when_another_host_wins_the_race(phone):
     ch_b = recv_message(sock_b, max_frame=PREAUTH_MAX_FRAME)
     send_message(sock_a, hs_a.on_challenge(ch_a))
     hs_a.on_ok(recv_message(sock_a, max_frame=PREAUTH_MAX_FRAME))
+    install(sock_a, hs_a.seal())  # the HELLO is sealed (PROTOCOL.md 6.1)
     assert recv_message(sock_a, max_frame=PREAUTH_MAX_FRAME).type == MsgType.HELLO
     send_message(sock_b, hs_b.on_challenge(ch_b))
     expect_error_and_close(sock_b, ErrorCode.BUSY)
@@ -406,14 +419,14 @@ def test_busy_at_auth_response_when_another_host_wins_the_race(phone):
 def test_bad_frame_after_authentication_drops_only_that_session(phone):
     log = Log(phone)
     with Session(phone) as s:
-        s.sock.sendall(_corrupt(encode_message(Message(MsgType.HEARTBEAT, {"seq": 1})), -1))
+        s.sock.sendall(_corrupt(sealed(s.sock, encode_message(Message(MsgType.HEARTBEAT, {"seq": 1}))), -1))
         msg = s.recv()
         assert msg.type == MsgType.ERROR and msg["code"] == "BAD_CHECKSUM" and "request_id" not in msg.meta
         with pytest.raises((ConnectionClosed, ConnectionResetError)):
             s.recv()
     log.wait_line("dropping the host session", "BAD_CHECKSUM:")
     with Session(phone) as s:  # oversized after auth: the host session's 64 MiB limit, from the header alone
-        s.sock.sendall(encode_header(MsgType.STATE_PUT, 0xFFFFFFF0))
+        s.sock.sendall(encode_header(MsgType.STATE_PUT, 0xFFFFFFF0, flags=SEALED_FLAG))
         msg = s.recv()
         assert msg.type == MsgType.ERROR and msg["code"] == "OVERSIZED" and "64.0 MiB limit" in msg["message"]
     assert_serves(phone)
@@ -520,9 +533,9 @@ def test_stage_assign_with_stage_not_below_num_stages_is_malformed(phone):
     """stage >= num_stages breaks the message schema (5.3): a decoding error, fatal for the session."""
     log = Log(phone)
     with Session(phone) as s:
-        s.sock.sendall(raw_frame(MsgType.STAGE_ASSIGN, {
+        s.sock.sendall(sealed(s.sock, raw_frame(MsgType.STAGE_ASSIGN, {
             "request_id": 7, "stage": 3, "num_stages": 3, "upstream": None, "downstream": None,
-            "program_sha256": "0" * 64}))
+            "program_sha256": "0" * 64})))
         msg = s.recv()
         assert msg.type == MsgType.ERROR and msg["code"] == "MALFORMED" and "not below num_stages" in msg["message"]
         with pytest.raises((ConnectionClosed, ConnectionResetError)):

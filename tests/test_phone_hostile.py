@@ -21,6 +21,7 @@ import pytest
 from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves, auth_request, wait_free
 from host.client import DeviceClient
 from host.emulated_phone import EmulatedPhone
+from tests.conftest import sealed_frame
 from zl_mobile.protocol import (PREAUTH_MAX_FRAME, ConnectionClosed, Message, MsgType, encode_message, new_token,
                                 recv_message)
 
@@ -136,7 +137,7 @@ def _abandon_round(phone, sessions: int, per_session: int) -> None:
         if i % 4 == 0:  # some sessions end inside a frame, as a host that crashed mid-send
             frame = encode_message(Message(MsgType.FILE_CHUNK, {"transfer_id": tid, "offset": len(piece)},
                                            {"data": np.frombuffer(piece, dtype=np.uint8)}))
-            s.sock.sendall(frame[:len(frame) // 2])
+            s.sock.sendall(sealed_frame(s.sock, frame)[:len(frame) // 2])
         s.close()
         wait_free(phone)
 

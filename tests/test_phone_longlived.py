@@ -17,7 +17,8 @@ from tests.test_phone_bad_input import TIMEOUT, Session, _seq, _sha, assert_serv
 from tests.test_phone_hostile import proc_stats, serving_phone, settled_stats
 from zl_mobile.connection import Connection
 from zl_mobile.protocol import ConnectionClosed, Message, MsgType, ProtocolError, encode_message, new_token
-from zl_mobile.protocol.frames import encode_header
+from zl_mobile.protocol.frames import SEALED_FLAG, encode_header
+from tests.conftest import sealed_frame
 
 
 @pytest.fixture(scope="module")
@@ -84,14 +85,14 @@ def test_a_declared_body_is_not_allocated_before_its_bytes_arrive(phone):
     """A header declaring 60 MiB and then 100 bytes commits ~nothing; the stall is a TIMEOUT."""
     base = _rss_mib(phone.pid)
     with Session(phone) as s:
-        s.sock.sendall(encode_header(MsgType.FILE_CHUNK, 60 << 20) + b"\0" * 100)
+        s.sock.sendall(encode_header(MsgType.FILE_CHUNK, 60 << 20, flags=SEALED_FLAG) + b"\0" * 100)
         time.sleep(0.5)
         grown = _rss_mib(phone.pid) - base
         _expect(s.recv, "TIMEOUT", "stalled mid-frame", "100 of")  # FAST: --io-timeout 1
     assert grown < 16, f"RSS grew {grown:.0f} MiB for a 60 MiB declaration with 100 bytes sent"
     # the host session's frames are bounded by what it can need (64 MiB), from the header alone
     with Session(phone) as s:
-        s.sock.sendall(encode_header(MsgType.FILE_CHUNK, 65 << 20))
+        s.sock.sendall(encode_header(MsgType.FILE_CHUNK, 65 << 20, flags=SEALED_FLAG))
         _expect(s.recv, "OVERSIZED", "64.0 MiB limit")
     assert_serves(phone)
 
@@ -102,7 +103,7 @@ def test_large_bodies_once_freed_leave_rss_where_it_was(phone):
     base = _rss_mib(phone.pid)
     for n in [3, 9, 20, 40, 30, 9, 40, 20, 3, 30] * 2:
         with Session(phone) as s:
-            s.sock.sendall(encode_header(MsgType.FILE_CHUNK, n << 20) + b"\1" * ((n << 20) + 4))
+            s.sock.sendall(encode_header(MsgType.FILE_CHUNK, n << 20, flags=SEALED_FLAG) + b"\1" * ((n << 20) + 4))
             _expect(s.recv, "BAD_CHECKSUM")
     time.sleep(1.0)
     grown = _rss_mib(phone.pid) - base
@@ -181,13 +182,13 @@ def test_the_data_link_keeps_to_its_credits_its_size_and_what_the_stage_can_use(
         assert link.closed()
         # a frame far larger than this chunk's hidden state: OVERSIZED from its header alone
         link = Link(port, token)
-        link.sock.sendall(encode_header(MsgType.HIDDEN_STATE, 200 << 20))
+        link.sock.sendall(encode_header(MsgType.HIDDEN_STATE, 200 << 20, flags=SEALED_FLAG))
         _expect(link.conn.recv, "OVERSIZED")
         # 40 bytes of a frame, then nothing: TIMEOUT after --io-timeout (1 s), the link slot frees
         link = Link(port, token)
         frame = encode_message(_hidden(manifest, k, 0))
         t0 = time.monotonic()
-        link.sock.sendall(frame[:40])
+        link.sock.sendall(sealed_frame(link.sock, frame)[:40])
         _expect(link.conn.recv, "TIMEOUT", "stalled mid-frame")
         assert time.monotonic() - t0 < 5
         link = Link(port, token)  # the real upstream gets in
@@ -341,7 +342,7 @@ def test_a_commit_beyond_what_was_sent_is_an_error_not_a_prune():
         for meta, t in (({"credits": 0}, MsgType.CREDIT),
                         ({"from_micro_batch": 5, "to_micro_batch": 1}, MsgType.REPLAY_REQUEST)):
             conn = down.accept()
-            conn.sock.sendall(_raw(t, meta))
+            conn.sock.sendall(sealed_frame(conn.sock, _raw(t, meta)))
             _expect(conn.recv, "MALFORMED")
     finally:
         link.close()

@@ -88,7 +88,7 @@ def test_phone_is_found_over_mdns_on_loopback(advertised_phone):
     try:
         info = zc.get_service_info(SERVICE_TYPE, f"{name}.{SERVICE_TYPE}", timeout=3000)
         assert info is not None and info.port == port
-        assert parse_txt(info.properties) == {"name": name, "proto": "1", "runtime": "zl_mobile/executorch",
+        assert parse_txt(info.properties) == {"name": name, "proto": "2", "runtime": "zl_mobile/executorch",
                                               "mem": str(total_memory_bytes())}
     finally:
         zc.close()

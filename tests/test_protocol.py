@@ -299,10 +299,13 @@ def test_device_refuses_other_messages_before_auth_and_bad_versions():
             "request_id": 1, "stage": 0, "num_stages": 1, "upstream": None, "downstream": None,
             "program_sha256": "0" * 64}))
     assert ei.value.code == ErrorCode.UNAUTHENTICATED
-    with pytest.raises(ProtocolError) as ei:
-        auth.handshake().handle(Message(MsgType.AUTH_REQUEST, {"protocol_version": 2, "host_nonce": "1" * 64,
-                                                               "host_name": "h"}))
-    assert ei.value.code == ErrorCode.BAD_VERSION
+    for old_or_new in (1, 3):  # 1: an unsealed host (protocol version 1) is refused, naming both versions
+        with pytest.raises(ProtocolError) as ei:
+            auth.handshake().handle(Message(MsgType.AUTH_REQUEST, {"protocol_version": old_or_new,
+                                                                   "host_nonce": f"{old_or_new}" * 64,
+                                                                   "host_name": "h"}))
+        assert ei.value.code == ErrorCode.BAD_VERSION
+        assert f"version {old_or_new}" in str(ei.value) and "speaks 2" in str(ei.value) and "\n" not in str(ei.value)
     hs = auth.handshake()
     hs.handle(HostHandshake(TOKEN).start())
     with pytest.raises(ProtocolError) as ei:

@@ -26,7 +26,7 @@ import time
 
 from .connection import Connection, connect, tune_link_socket
 from .protocol.quoting import quote
-from .protocol import (DEFAULT_MAX_FRAME, ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
+from .protocol import (PROTOCOL_VERSION, DEFAULT_MAX_FRAME, ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
                        device_handshake, error_reply, host_handshake)
 
 log = logging.getLogger("zl_mobile.links")
@@ -517,7 +517,7 @@ class InboundLink:
             self._slots.release()
 
     def _serve(self, sock: socket.socket) -> None:
-        hello = Message(MsgType.HELLO, {"name": self.name, "protocol_version": 1, "runtime_version": "zl_mobile",
+        hello = Message(MsgType.HELLO, {"name": self.name, "protocol_version": PROTOCOL_VERSION, "runtime_version": "zl_mobile",
                                         "memory_bytes": 0, "capabilities": ["link"]})
         try:
             hs = device_handshake(sock, self.auth, hello, timeout=HANDSHAKE_TIMEOUT_S)

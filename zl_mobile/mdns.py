@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from .protocol.quoting import quote
 
 SERVICE_TYPE = "_zerolock._tcp.local."
-PROTO = 1  # the wire protocol version this side speaks (docs/PROTOCOL.md)
+PROTO = 2  # the wire protocol version this side speaks (docs/PROTOCOL.md; 2 = sealed sessions)
 LOOPBACK = ["127.0.0.1"]
 MAX_LABEL_BYTES = 63
 MAX_RENAMES = 20

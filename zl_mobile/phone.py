@@ -178,7 +178,7 @@ def _main(a, parser, budget) -> int:
 
     from .device import Device, Limits, serve
     from .links import DelayLine
-    from .mdns import SERVICE_TYPE, Advertisement, advertised_addresses, escape_instance, txt_record
+    from .mdns import PROTO, SERVICE_TYPE, Advertisement, advertised_addresses, escape_instance, txt_record
     from .protocol import RateLimiter
     from .telemetry import total_memory_bytes
 
@@ -198,7 +198,7 @@ def _main(a, parser, budget) -> int:
         if a.mdns != "none":
             interfaces = {"loopback": ["127.0.0.1"], "all": "all"}.get(a.mdns, [a.mdns])
             addresses = advertised_addresses(a.bind, a.mdns)
-            txt = txt_record(a.name, 1, f"zl_mobile/{backend.label}", total_memory_bytes(),
+            txt = txt_record(a.name, PROTO, f"zl_mobile/{backend.label}", total_memory_bytes(),
                              cpu_share=budget.share if budget else None)
             adverts.append(Advertisement(a.name, port, txt, addresses=addresses, interfaces=interfaces,
                                          on_rename=lambda label: print(f"advertised as {escape_instance(label)}.{SERVICE_TYPE} "

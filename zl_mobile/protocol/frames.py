@@ -17,7 +17,12 @@ from .messages import INT64_MAX, INT64_MIN, Message, MsgType, validate
 from .tensors import as_wire_array, decode_record, encode_record
 
 MAGIC = b"ZLWP"
-PROTOCOL_VERSION = 1
+# the session protocol version (AUTH_REQUEST, HELLO, mDNS TXT): 2 = sealed sessions (section 6.1).
+# The frame header's version byte stays FRAME_VERSION: the frame layout itself did not change; a
+# sealed frame says so in its flags (SEALED_FLAG), which a version-1 peer rejects as MALFORMED.
+PROTOCOL_VERSION = 2
+FRAME_VERSION = 1
+SEALED_FLAG = 0x0001
 HEADER_SIZE = 16
 TRAILER_SIZE = 4
 OVERHEAD = HEADER_SIZE + TRAILER_SIZE
@@ -41,13 +46,15 @@ class FrameHeader(NamedTuple):
 
 # ---- header ----------------------------------------------------------------------------------
 
-def encode_header(msg_type: int, body_len: int, version: int = PROTOCOL_VERSION, flags: int = 0) -> bytes:
+def encode_header(msg_type: int, body_len: int, version: int = FRAME_VERSION, flags: int = 0) -> bytes:
     head = _HEAD.pack(MAGIC, version, msg_type, flags, body_len)
     return head + struct.pack("<I", zlib.crc32(head))
 
 
-def parse_header(data: bytes | bytearray | memoryview, max_frame: int = DEFAULT_MAX_FRAME) -> FrameHeader:
-    """Validate the first 16 bytes of a frame in the spec's order (2.2, steps 1-7)."""
+def parse_header(data: bytes | bytearray | memoryview, max_frame: int = DEFAULT_MAX_FRAME,
+                 sealed: bool = False) -> FrameHeader:
+    """Validate the first 16 bytes of a frame in the spec's order (2.2, steps 1-7). `sealed`: the
+    connection's record layer is on (6.1), so flags MUST be SEALED_FLAG, else 0."""
     if len(data) < HEADER_SIZE:
         raise ProtocolError(ErrorCode.TRUNCATED,
                             f"stream ended after {len(data)} of the {HEADER_SIZE} header bytes; "
@@ -57,16 +64,19 @@ def parse_header(data: bytes | bytearray | memoryview, max_frame: int = DEFAULT_
         raise ProtocolError(ErrorCode.BAD_MAGIC,
                             f"frame starts with {bytes(magic)!r}, not {MAGIC!r}; the peer is not a ZeroLock "
                             "endpoint or the stream lost sync (reconnect)")
-    if version != PROTOCOL_VERSION:
+    if version != FRAME_VERSION:
         raise ProtocolError(ErrorCode.BAD_VERSION,
-                            f"protocol version {version} not supported (this side speaks {PROTOCOL_VERSION}); "
+                            f"protocol version {version} not supported (this side speaks {FRAME_VERSION} in frame headers); "
                             "upgrade the older of host and device so both speak the same version")
     (crc,) = struct.unpack_from("<I", data, 12)
     if zlib.crc32(bytes(data[:12])) != crc:
         raise ProtocolError(ErrorCode.BAD_CHECKSUM,
                             "frame header CRC32 mismatch; the link corrupted data or the stream lost sync (reconnect)")
-    if flags != 0:
-        raise ProtocolError(ErrorCode.MALFORMED, f"frame flags 0x{flags:04x} set; reserved flags must be 0")
+    if flags != (SEALED_FLAG if sealed else 0):
+        raise ProtocolError(ErrorCode.MALFORMED,
+                            f"frame flags 0x{flags:04x} on a{' sealed' if sealed else 'n unsealed'} connection; "
+                            f"expected 0x{SEALED_FLAG if sealed else 0:04x} (both sides must speak protocol "
+                            f"version {PROTOCOL_VERSION})")
     size = body_len + OVERHEAD
     if size > max_frame:
         raise ProtocolError(ErrorCode.OVERSIZED,
@@ -170,6 +180,11 @@ def encode_parts(msg: Message) -> list[bytes | memoryview]:
     return [encode_header(msg.type, off), *body, struct.pack("<I", crc)]
 
 
+def encode_body(msg: Message) -> bytes:
+    """The section 3 body alone, as one buffer: what a sealed frame encrypts."""
+    return b"".join(encode_parts(msg)[1:-1])
+
+
 def encode_message(msg: Message) -> bytes:
     return b"".join(encode_parts(msg))
 
@@ -180,6 +195,12 @@ def decode_body(msg_type: MsgType, body: bytes | bytearray | memoryview, body_cr
     if zlib.crc32(body) != body_crc:
         raise ProtocolError(ErrorCode.BAD_CHECKSUM,
                             f"{msg_type.name} body CRC32 mismatch; the link corrupted data (reconnect and resend)")
+    return decode_plain_body(msg_type, body)
+
+
+def decode_plain_body(msg_type: MsgType, body: bytes | bytearray | memoryview) -> Message:
+    """Step 10 alone: a sealed frame's opened body (its CRC covered the sealed bytes)."""
+    body = memoryview(body)
     n = len(body)
     if n < 4:
         raise ProtocolError(ErrorCode.MALFORMED, f"{msg_type.name} body of {n} bytes is too short for meta_len")

@@ -19,6 +19,7 @@ from typing import Callable
 from .errors import ErrorCode, ProtocolError
 from .frames import PREAUTH_MAX_FRAME, PROTOCOL_VERSION
 from .messages import Message, MsgType, error_reply
+from . import seal as _seal
 from .transport import recv_message, send_message
 
 NONCE_BYTES = 32
@@ -121,10 +122,17 @@ class DeviceHandshake:
         self.host_name: str | None = None
         self._host_nonce = b""
         self._device_nonce = b""
+        self._host_share = b""
+        self._priv, self._device_share = _seal.new_share()
+        self.keys: tuple[bytes, bytes] | None = None  # (host->device, device->host) once authenticated
 
     @property
     def authenticated(self) -> bool:
         return self.state == "done"
+
+    def seal(self) -> "_seal.Seal":
+        """The device's record layer: sends with the device->host key, opens with host->device."""
+        return _seal.Seal(self.keys[1], self.keys[0])
 
     def handle(self, msg: Message) -> Message:
         if self.state == "await_request":
@@ -146,8 +154,11 @@ class DeviceHandshake:
         if msg["protocol_version"] != PROTOCOL_VERSION:
             raise self._fail(ProtocolError(
                 ErrorCode.BAD_VERSION,
-                f"host speaks protocol version {msg['protocol_version']}, this device speaks {PROTOCOL_VERSION}; "
-                "upgrade the older side"))
+                f"host speaks protocol version {msg['protocol_version']}, this device speaks {PROTOCOL_VERSION} "
+                "(sealed sessions); upgrade the older side"))
+        if "host_share" not in msg.meta:
+            raise self._fail(_unauth(f"AUTH_REQUEST of protocol version {PROTOCOL_VERSION} without host_share; "
+                                     "the host must send its X25519 share"))
         if self._auth.busy:
             raise self._fail(ProtocolError(ErrorCode.BUSY, "device already serves a host session; "
                                                            "stop the other host or wait for it to disconnect"))
@@ -155,13 +166,15 @@ class DeviceHandshake:
         if not self._auth._note_nonce(nonce):
             raise self._fail(_unauth("host nonce replayed; a host must use a fresh random nonce per connection"))
         self._host_nonce = nonce
+        self._host_share = bytes.fromhex(msg["host_share"])
         self.host_name = msg["host_name"]
         self._device_nonce = self._auth._rng(NONCE_BYTES)
         if self._device_nonce == nonce:
             raise self._fail(_unauth("host nonce equals the device nonce; reflection refused"))
         self.state = "await_response"
         return Message(MsgType.AUTH_CHALLENGE, {"device_nonce": self._device_nonce.hex(),
-                                                "device_name": self._auth.device_name})
+                                                "device_name": self._auth.device_name,
+                                                "device_share": self._device_share.hex()})
 
     def on_auth_response(self, msg: Message) -> Message:
         """AUTH_RESPONSE -> AUTH_OK (and the session slot is taken)."""
@@ -173,9 +186,13 @@ class DeviceHandshake:
         if not hmac.compare_digest(want, bytes.fromhex(msg["host_proof"])):
             raise self._fail(_unauth("host proof does not match; the host holds a different pairing token "
                                      "(re-pair the device)"))
+        dh = _seal.shared_secret(self._priv, self._host_share)
         if not self._auth._acquire(self):
             raise self._fail(ProtocolError(ErrorCode.BUSY, "device already serves a host session; "
                                                            "stop the other host or wait for it to disconnect"))
+        self.keys = _seal.derive_keys(self._auth._token, self._host_nonce, self._device_nonce, dh,
+                                      self._host_share, self._device_share)
+        self._priv = None  # ephemeral: gone once the keys exist
         self.state = "done"
         proof = device_proof(self._auth._token, self._host_nonce, self._device_nonce)
         return Message(MsgType.AUTH_OK, {"device_proof": proof.hex()})
@@ -209,10 +226,17 @@ class HostHandshake:
         self.device_name: str | None = None
         self._host_nonce = b""
         self._device_nonce = b""
+        self._priv, self._host_share = _seal.new_share()
+        self._device_share = b""
+        self.keys: tuple[bytes, bytes] | None = None  # (host->device, device->host) once authenticated
 
     @property
     def authenticated(self) -> bool:
         return self.state == "done"
+
+    def seal(self) -> "_seal.Seal":
+        """The host's record layer: sends with the host->device key, opens with device->host."""
+        return _seal.Seal(self.keys[0], self.keys[1])
 
     def start(self) -> Message:
         if self.state != "new":
@@ -221,7 +245,8 @@ class HostHandshake:
         self.state = "await_challenge"
         return Message(MsgType.AUTH_REQUEST, {"protocol_version": PROTOCOL_VERSION,
                                               "host_nonce": self._host_nonce.hex(),
-                                              "host_name": self.host_name})
+                                              "host_name": self.host_name,
+                                              "host_share": self._host_share.hex()})
 
     def on_challenge(self, msg: Message) -> Message:
         if self.state != "await_challenge":
@@ -231,6 +256,11 @@ class HostHandshake:
         self._device_nonce = bytes.fromhex(msg["device_nonce"])
         if self._device_nonce == self._host_nonce:
             raise _unauth("device nonce equals the host nonce; reflection refused")
+        if "device_share" not in msg.meta:
+            raise ProtocolError(ErrorCode.BAD_VERSION,
+                                f"device sent no device_share: it speaks protocol version 1 (unsealed), this host "
+                                f"{PROTOCOL_VERSION} (sealed sessions); upgrade the device")
+        self._device_share = bytes.fromhex(msg["device_share"])
         self.device_name = msg["device_name"]
         self.state = "await_ok"
         return Message(MsgType.AUTH_RESPONSE,
@@ -245,6 +275,10 @@ class HostHandshake:
         if not hmac.compare_digest(want, bytes.fromhex(msg["device_proof"])):
             raise _unauth("device proof does not match; this device holds a different pairing token "
                           "(or is an impostor): re-pair it")
+        self.keys = _seal.derive_keys(self._token, self._host_nonce, self._device_nonce,
+                                      _seal.shared_secret(self._priv, self._device_share),
+                                      self._host_share, self._device_share)
+        self._priv = None
         self.state = "done"
 
 
@@ -256,6 +290,8 @@ def host_handshake(sock: socket.socket, token: bytes | str, host_name: str = "zl
     send_message(sock, hs.start())
     send_message(sock, hs.on_challenge(recv_message(sock, max_frame=PREAUTH_MAX_FRAME)))
     hs.on_ok(recv_message(sock, max_frame=PREAUTH_MAX_FRAME))
+    # HELLO is the first sealed frame: opening it confirms both sides derived the same keys
+    _seal.install(sock, None if _seal.sealing_disabled_for_benchmark() else hs.seal())
     hello = recv_message(sock, max_frame=PREAUTH_MAX_FRAME)
     if hello.type == MsgType.ERROR:
         raise ProtocolError(ErrorCode.parse(hello["code"]), f"device error after handshake: {hello['message']}")
@@ -277,6 +313,8 @@ def device_handshake(sock: socket.socket, auth: DeviceAuth, hello: Message,
         try:
             for _ in range(2):
                 send_message(sock, hs.handle(recv_message(sock, max_frame=PREAUTH_MAX_FRAME, deadline=deadline)))
+            # AUTH_OK went out plain; everything after it is sealed (6.1)
+            _seal.install(sock, None if _seal.sealing_disabled_for_benchmark() else hs.seal())
             if deadline is not None:
                 sock.settimeout(max(0.001, deadline - time.monotonic()))
             send_message(sock, hello)

@@ -113,8 +113,11 @@ def _kind_ok(kind: str, v: Any) -> bool:
 # (required fields, optional fields, tensor rule, extra check)
 # tensor rule: "none" | "any" | "some" (>=1) | "h" (must contain h) | "data" (exactly one uint8 1-D "data")
 _SCHEMA: dict[MsgType, tuple[dict[str, str], dict[str, str], str]] = {
-    MsgType.AUTH_REQUEST: ({"protocol_version": "uint", "host_nonce": "hex64", "host_name": "str"}, {}, "none"),
-    MsgType.AUTH_CHALLENGE: ({"device_nonce": "hex64", "device_name": "str"}, {}, "none"),
+    # host_share / device_share: the X25519 shares of version 2 (6.1); optional in the schema so
+    # that a version-1 AUTH_REQUEST still decodes and gets its BAD_VERSION answer
+    MsgType.AUTH_REQUEST: ({"protocol_version": "uint", "host_nonce": "hex64", "host_name": "str"},
+                           {"host_share": "hex64"}, "none"),
+    MsgType.AUTH_CHALLENGE: ({"device_nonce": "hex64", "device_name": "str"}, {"device_share": "hex64"}, "none"),
     MsgType.AUTH_RESPONSE: ({"host_proof": "hex64"}, {}, "none"),
     MsgType.AUTH_OK: ({"device_proof": "hex64"}, {}, "none"),
     MsgType.HELLO: ({"name": "str", "protocol_version": "uint", "runtime_version": "str",

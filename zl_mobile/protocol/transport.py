@@ -6,12 +6,14 @@ import socket
 import struct
 import threading
 import time
+import zlib
 from typing import Callable, Protocol
 
 from .errors import ConnectionClosed, ErrorCode, ProtocolError
-from .frames import (DEFAULT_MAX_FRAME, HEADER_SIZE, TRAILER_SIZE, decode_body, encode_parts,
-                     parse_header)
+from .frames import (DEFAULT_MAX_FRAME, HEADER_SIZE, SEALED_FLAG, TRAILER_SIZE, decode_body, decode_plain_body,
+                     encode_body, encode_header, encode_parts, parse_header)
 from .messages import Message
+from .seal import TAG_BYTES, seal_of
 
 SEND_CHUNK = 64 << 10
 # what a frame's body buffer starts at; it doubles as bytes arrive. 1 MiB: a hidden state of a
@@ -53,7 +55,21 @@ class RateLimiter:
 
 def send_message(sock: socket.socket, msg: Message, *, limiter: Limiter | None = None) -> int:
     """Encode and send one message; returns the frame size. With a limiter, bytes go out in
-    64 KiB pieces, each after limiter.consume(len(piece))."""
+    64 KiB pieces, each after limiter.consume(len(piece)). On a sealed connection (6.1) the
+    frame goes out sealed."""
+    seal = seal_of(sock)
+    if seal is not None:
+        body = encode_body(msg)
+        header = encode_header(msg.type, len(body) + TAG_BYTES, flags=SEALED_FLAG)
+        frame = bytearray(HEADER_SIZE + len(body) + TAG_BYTES + TRAILER_SIZE)
+        frame[:HEADER_SIZE] = header
+        with memoryview(frame) as view:
+            sealed = view[HEADER_SIZE:-TRAILER_SIZE]
+            seal.seal(header, body, out=sealed)  # encrypted straight into the frame
+            struct.pack_into("<I", frame, len(frame) - TRAILER_SIZE, zlib.crc32(sealed))
+            sealed.release()
+        _send(sock, frame, limiter)
+        return len(frame)
     total = 0
     pending: list = []
     pending_len = 0
@@ -144,9 +160,10 @@ def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, dea
     (time.monotonic()) the whole frame must arrive by then; the socket's timeout is changed. With
     `stall_s`, going that long without a byte is a timeout (socket.timeout between frames,
     TIMEOUT inside one), the socket's own timeout untouched."""
+    seal = seal_of(sock)
     head_buf = bytearray(HEADER_SIZE)
     _recv_exact(sock, memoryview(head_buf), "header", first=True, deadline=deadline, stall_s=stall_s)
-    head = parse_header(head_buf, max_frame)
+    head = parse_header(head_buf, max_frame, sealed=seal is not None)
     need = head.body_len + TRAILER_SIZE
     # the buffer grows with the bytes that arrive (doubling, from FIRST_BODY_BUF): a header that
     # declares 256 MiB and then sends nothing does not get 256 MiB zeroed before the first body byte
@@ -161,4 +178,14 @@ def recv_message(sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, dea
             break
         rest.extend(bytes(min(need, 2 * got) - got))  # calloc'd pages: committed as they are filled
     (crc,) = struct.unpack_from("<I", rest, head.body_len)
-    return decode_body(head.type, memoryview(rest)[:head.body_len], crc)
+    if seal is None:
+        return decode_body(head.type, memoryview(rest)[:head.body_len], crc)
+    sealed = memoryview(rest)[:head.body_len]
+    if zlib.crc32(sealed) != crc:
+        raise ProtocolError(ErrorCode.BAD_CHECKSUM,
+                            f"{head.type.name} body CRC32 mismatch; the link corrupted data (reconnect and resend)")
+    if head.body_len < TAG_BYTES:
+        raise ProtocolError(ErrorCode.MALFORMED, f"sealed {head.type.name} body of {head.body_len} bytes is "
+                                                 f"shorter than its {TAG_BYTES}-byte tag")
+    # opened before anything in the body is parsed: a frame that fails here is never acted on
+    return decode_plain_body(head.type, seal.open(bytes(head_buf), sealed, head.type.name))

@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 OUT = Path(__file__).with_name("mdns.json")
-OK = {"name": "p0", "proto": "1", "runtime": "zl_mobile/executorch", "mem": "8589934592"}
+OK = {"name": "p0", "proto": "2", "runtime": "zl_mobile/executorch", "mem": "8589934592"}
 def t(name, txt, status, problems=(), fields=None, txt_hex=None, note=None):
     d = {"name": name, "txt": txt}
     if txt_hex: d["txt_hex"] = txt_hex
@@ -16,14 +16,14 @@ def t(name, txt, status, problems=(), fields=None, txt_hex=None, note=None):
     return d
 def w(**kw):
     x = dict(OK); x.update(kw); return {k: v for k, v in x.items() if v != "__drop__"}
-F = lambda **kw: {**{"name": "p0", "proto": 1, "runtime": "zl_mobile/executorch", "mem": 8589934592, "cpu_share": None}, **kw}
+F = lambda **kw: {**{"name": "p0", "proto": 2, "runtime": "zl_mobile/executorch", "mem": 8589934592, "cpu_share": None}, **kw}
 txt = [
     t("ok_minimal", OK, "ok", fields=F()),
     t("ok_cpu_share_half", w(cpu_share="0.5"), "ok", fields=F(cpu_share=0.5)),
     t("ok_cpu_share_whole", w(cpu_share="4"), "ok", fields=F(cpu_share=4.0)),
     t("ok_cpu_share_max", w(cpu_share="1024"), "ok", fields=F(cpu_share=1024.0)),
     t("ok_unknown_keys_ignored", w(color="blue", flag=None), "ok", fields=F(), note="unknown keys, with or without a value, are ignored"),
-    t("ok_keys_any_case", {"NAME": "p0", "Proto": "1", "RunTime": "zl_mobile/executorch", "MEM": "8589934592"}, "ok", fields=F()),
+    t("ok_keys_any_case", {"NAME": "p0", "Proto": "2", "RunTime": "zl_mobile/executorch", "MEM": "8589934592"}, "ok", fields=F()),
     t("ok_dotted_name", w(name="Dr. Who's phone"), "ok", fields=F(name="Dr. Who's phone")),
     t("ok_unicode_name", w(name="\u00dcn\u00efc\u00f6d\u00e9 \u96fb\u8a71 \U0001F4F1"), "ok", fields=F(name="\u00dcn\u00efc\u00f6d\u00e9 \u96fb\u8a71 \U0001F4F1")),
     t("ok_name_63_bytes_multibyte", w(name="\u96fb" * 21), "ok", fields=F(name="\u96fb" * 21)),
@@ -47,8 +47,9 @@ txt = [
     t("proto_plus_sign", w(proto="+1"), "invalid", ["proto"]),
     t("proto_ten_digits", w(proto="1234567890"), "invalid", ["proto"], note="a version is at most 9 digits"),
     t("proto_missing", w(proto="__drop__"), "invalid", ["proto"]),
-    t("proto_2_incompatible", w(proto="2", mem="8GB"), "incompatible", ["proto"],
-      fields={"name": "p0", "proto": 2}, note="another protocol version: its other keys are not checked"),
+    t("proto_1_incompatible", w(proto="1", mem="8GB"), "incompatible", ["proto"],
+      fields={"name": "p0", "proto": 1}, note="protocol version 1 (unsealed): its other keys are not checked"),
+    t("proto_3_incompatible", w(proto="3"), "incompatible", ["proto"], fields={"name": "p0", "proto": 3}),
     t("proto_0_incompatible", w(proto="0"), "incompatible", ["proto"], fields={"name": "p0", "proto": 0}),
     t("proto_and_mem_bad", w(proto="x", mem="8GB"), "invalid", ["proto", "mem"]),
     t("name_64_bytes", w(name="a" * 64), "invalid", ["name"]),
@@ -97,7 +98,7 @@ doc = {
              "that are wrong (the messages are each side's own). fields: what a valid or incompatible record "
              "yields (null: absent).",
     "service_type": "_zerolock._tcp.local.",
-    "proto": 1,
+    "proto": 2,
     "max_instance_bytes": 63,
     "txt": txt,
     "instance_names": names,

@@ -79,7 +79,7 @@ class TrainingService : Service() {
             .createWifiLock(WifiManager.WIFI_MODE_FULL_HIGH_PERF, "zerolock:link").apply { acquire() }
         val unadvertised = NsdAdvertiser(this).let { a ->
             nsd = a
-            a.register(bound, ZeroLockTxt(name = name, proto = 1, runtime = RUNTIME_VERSION, memBytes = stats.totalMemBytes()))
+            a.register(bound, ZeroLockTxt(name = name, proto = ZeroLockService.PROTO, runtime = RUNTIME_VERSION, memBytes = stats.totalMemBytes()))
         }
         StatusBoard.update { it.copy(serving = true, port = bound, status = "waiting for the host on port $bound" + (unadvertised?.let { u -> "; $u" } ?: "")) }
     }

@@ -146,7 +146,7 @@ data class TxtCheck(
 object ZeroLockService {
     const val TYPE = "_zerolock._tcp"
     const val TYPE_FQDN = "_zerolock._tcp.local."
-    const val PROTO = 1
+    const val PROTO = org.zerolock.core.protocol.Frames.PROTOCOL_VERSION  // 2: sealed sessions
     const val MAX_INSTANCE_BYTES = 63
     const val CPU_SHARE_MAX = 1024.0
     val REQUIRED = listOf("name", "proto", "runtime", "mem")

@@ -73,16 +73,16 @@ class DiscoveryVectorsTest {
 
     @Test
     fun `a record off the wire - what the app advertises checks ok, bytes that are not UTF-8 are reported`() {
-        val txt = ZeroLockTxt(name = "Dr. Who's phone", proto = 1, runtime = "executorch-1.5.1", memBytes = 8_000_000_000L,
+        val txt = ZeroLockTxt(name = "Dr. Who's phone", proto = 2, runtime = "executorch-1.5.1", memBytes = 8_000_000_000L,
             extra = mapOf("cpu_share" to "0.5"))
         val ok = ZeroLockTxt.checkRecord(txt.encode())
-        assertEquals(TxtCheck(TxtCheck.OK, "Dr. Who's phone", 1, "executorch-1.5.1", 8_000_000_000L, 0.5), ok)
-        val raw = DnsSdTxt.encode(linkedMapOf("proto" to "1", "runtime" to "r", "mem" to "1")) +
+        assertEquals(TxtCheck(TxtCheck.OK, "Dr. Who's phone", 2, "executorch-1.5.1", 8_000_000_000L, 0.5), ok)
+        val raw = DnsSdTxt.encode(linkedMapOf("proto" to "2", "runtime" to "r", "mem" to "1")) +
             byteArrayOf(6) + "name=".toByteArray() + byteArrayOf(0xff.toByte())
         val bad = ZeroLockTxt.checkRecord(raw)
         assertEquals(TxtCheck.INVALID, bad.status)
         assertEquals(mapOf("name" to "is not UTF-8"), bad.problems)
-        val other = ZeroLockTxt.checkRecord(DnsSdTxt.encode(linkedMapOf("name" to "p", "proto" to "2", "mem" to "8GB")))
+        val other = ZeroLockTxt.checkRecord(DnsSdTxt.encode(linkedMapOf("name" to "p", "proto" to "1", "mem" to "8GB")))
         assertEquals(TxtCheck.INCOMPATIBLE, other.status)
         assertEquals(setOf("proto"), other.problems.keys)
     }

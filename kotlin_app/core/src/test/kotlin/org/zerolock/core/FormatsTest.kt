@@ -114,9 +114,9 @@ class TelemetryTest {
 class TxtRecordTest {
     @Test
     fun `encodes DNS-SD key=value strings and decodes them back`() {
-        val txt = ZeroLockTxt(name = "Pixel 8", proto = 1, runtime = "executorch-1.5.1", memBytes = 8_000_000_000L)
+        val txt = ZeroLockTxt(name = "Pixel 8", proto = 2, runtime = "executorch-1.5.1", memBytes = 8_000_000_000L)
         val bytes = txt.encode()
-        val expected = listOf("name=Pixel 8", "proto=1", "runtime=executorch-1.5.1", "mem=8000000000")
+        val expected = listOf("name=Pixel 8", "proto=2", "runtime=executorch-1.5.1", "mem=8000000000")
             .flatMap { listOf(it.length.toByte()) + it.toByteArray().toList() }.toByteArray()
         assertArrayEquals(expected, bytes)
         assertEquals(txt, ZeroLockTxt.decode(bytes))

@@ -53,10 +53,11 @@ class LinkFrameLimitTest {
     private val elements = 100_000L // h in (50,000) and h out (50,000) of the test chunk
     private val limit = LinkRules.linkFrameLimit(elements)
 
-    /** The 16 header bytes of a HIDDEN_STATE frame declaring a body of [bodyLen] bytes (and no body). */
+    /** The 16 header bytes of a sealed HIDDEN_STATE frame declaring a body of [bodyLen] bytes (and no body). */
     private fun header(bodyLen: Long): ByteArray {
         val h = Frames.encode(Messages.hiddenState(0, 0, Tensor.ofFloats(FloatArray(1), 1))).copyOf(16)
         for (k in 0 until 4) h[8 + k] = ((bodyLen ushr (8 * k)) and 0xff).toByte()
+        h[6] = Frames.SEALED_FLAG.toByte() // sent after the handshake: a sealed frame's header (PROTOCOL.md 6.1)
         val crc = Frames.crc32(h, 0, 12)
         for (k in 0 until 4) h[12 + k] = ((crc ushr (8 * k)) and 0xff).toByte()
         return h

@@ -7,7 +7,12 @@ import java.util.zip.CRC32
 
 /** Frame codec of PROTOCOL.md sections 2-4. */
 object Frames {
+    /** The frame header's version byte: the frame layout did not change in protocol version 2. */
     const val VERSION = 1
+    /** The session protocol version (AUTH_REQUEST, HELLO, TXT): 2 = sealed sessions (PROTOCOL.md 6.1). */
+    const val PROTOCOL_VERSION = 2
+    /** Header flags of a sealed frame; a version-1 peer rejects it (reserved flags). */
+    const val SEALED_FLAG = 1
     const val HEADER_SIZE = 16
     const val TRAILER_SIZE = 4
     const val DEFAULT_MAX_FRAME = 256L * 1024 * 1024
@@ -33,13 +38,14 @@ object Frames {
     class Header(val type: MsgType, val bodyLen: Long)
 
     /** Checks 2..7 of PROTOCOL.md 2.2 on the 16 header bytes. */
-    fun parseHeader(h: ByteArray, maxFrame: Long): Header {
+    fun parseHeader(h: ByteArray, maxFrame: Long, sealed: Boolean = false): Header {
         require(h.size >= HEADER_SIZE)
         for (k in 0 until 4) if (h[k] != MAGIC[k]) throw ProtocolException(ErrorCode.BAD_MAGIC, "not a ZeroLock peer (magic is not ZLWP); check the address and port")
         val version = h[4].toInt() and 0xff
         if (version != VERSION) throw ProtocolException(ErrorCode.BAD_VERSION, "protocol version $version is not supported (this side speaks $VERSION); update the older side")
         if (u32(h, 12) != crc32(h, 0, 12)) throw ProtocolException(ErrorCode.BAD_CHECKSUM, "frame header CRC mismatch; the link corrupts data or lost sync")
-        if (u16(h, 6) != 0) malformed("reserved frame flags are ${u16(h, 6)}, must be 0")
+        val wantFlags = if (sealed) SEALED_FLAG else 0
+        if (u16(h, 6) != wantFlags) malformed("frame flags are ${u16(h, 6)} on a${if (sealed) " sealed" else "n unsealed"} connection, must be $wantFlags (both sides must speak protocol version $PROTOCOL_VERSION)")
         val bodyLen = u32(h, 8)
         if (bodyLen + HEADER_SIZE + TRAILER_SIZE > maxFrame) {
             throw ProtocolException(ErrorCode.OVERSIZED, "frame of ${human(bodyLen + 20)} exceeds the ${human(maxFrame)} limit; send smaller chunks or raise max_frame on the receiver")
@@ -57,22 +63,35 @@ object Frames {
     }
 
     /** Encode [m] as one frame (validates the schema first). */
-    fun encode(m: Message): ByteArray {
+    fun encode(m: Message): ByteArray = encode(m, null)
+
+    /** One frame; with [seal], sealed (PROTOCOL.md 6.1): the body encrypted, the header as AAD. */
+    fun encode(m: Message, seal: Seal?): ByteArray {
         Schema.validate(m)
-        val body = encodeBody(m)
-        val out = ByteArrayOutputStream(HEADER_SIZE + body.size + TRAILER_SIZE)
+        val plain = encodeBody(m)
+        val bodyLen = plain.size + (if (seal != null) Sealing.TAG_BYTES else 0)
         val header = ByteArrayOutputStream(HEADER_SIZE)
         header.write(MAGIC)
         header.u8(VERSION)
         header.u8(m.type.code)
-        header.u16(0)
-        header.u32(body.size.toLong())
+        header.u16(if (seal != null) SEALED_FLAG else 0)
+        header.u32(bodyLen.toLong())
         val h12 = header.toByteArray()
         header.u32(crc32(h12))
-        out.write(header.toByteArray())
+        val head = header.toByteArray()
+        val body = seal?.seal(head, plain) ?: plain
+        val out = ByteArrayOutputStream(HEADER_SIZE + body.size + TRAILER_SIZE)
+        out.write(head)
         out.write(body)
         out.u32(crc32(body))
         return out.toByteArray()
+    }
+
+    /** Step 10 alone, for a sealed frame's opened body (its CRC covered the sealed bytes). */
+    fun decodePlainBody(type: MsgType, body: ByteArray): Message {
+        val m = decodeBody(type, body)
+        Schema.validate(m)
+        return m
     }
 
     private fun encodeBody(m: Message): ByteArray {
@@ -172,6 +191,9 @@ object Frames {
 
 /** Reads frames from a stream (one connection); [maxFrame] can be raised after the handshake. */
 class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PREAUTH_MAX_FRAME) {
+    /** Set by the handshake once it is done: every later frame must open with it (PROTOCOL.md 6.1). */
+    @Volatile var seal: Seal? = null
+
     /** Reads into [buf] from [off] until [len] bytes or the end of the stream. A socket timeout
      *  (soTimeout) before the frame's first byte propagates as is (a quiet peer between frames);
      *  after it, the frame stalled: TIMEOUT, the stream is unusable (PROTOCOL.md 6). */
@@ -198,7 +220,8 @@ class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PR
         val got = readFully(h, 0, h.size, false, "header")
         if (got == 0) throw ConnectionClosedException()
         if (got < h.size) throw ProtocolException(ErrorCode.TRUNCATED, "stream ended inside a frame header ($got of 16 bytes)")
-        val header = Frames.parseHeader(h, maxFrame)
+        val seal = this.seal
+        val header = Frames.parseHeader(h, maxFrame, sealed = seal != null)
         val need = (header.bodyLen + Frames.TRAILER_SIZE).toInt()
         var rest = ByteArray(minOf(need, FIRST_BODY_BUF))
         var have = 0
@@ -210,7 +233,11 @@ class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PR
             rest = rest.copyOf(minOf(need.toLong(), 2L * rest.size).toInt())
         }
         val body = rest.copyOfRange(0, header.bodyLen.toInt())
-        return Frames.decodeBodyChecked(header, body, Frames.u32(rest, header.bodyLen.toInt()))
+        if (seal == null) return Frames.decodeBodyChecked(header, body, Frames.u32(rest, header.bodyLen.toInt()))
+        if (Frames.crc32(body) != Frames.u32(rest, header.bodyLen.toInt())) throw ProtocolException(ErrorCode.BAD_CHECKSUM, "frame body CRC mismatch; the link corrupts data")
+        if (body.size < Sealing.TAG_BYTES) throw ProtocolException(ErrorCode.MALFORMED, "sealed ${header.type} body of ${body.size} bytes is shorter than its tag")
+        // opened before any byte of the body is parsed: a frame that fails here is never acted on
+        return Frames.decodePlainBody(header.type, seal.open(h, body, header.type.name))
     }
 
     companion object {
@@ -220,10 +247,13 @@ class FrameReader(private val input: InputStream, var maxFrame: Long = Frames.PR
 
 /** Writes frames to a stream; thread-safe (one frame at a time). */
 class FrameWriter(private val output: OutputStream, private val limiter: RateLimiter? = null) {
+    /** Set by the handshake once it is done: every later frame goes out sealed (PROTOCOL.md 6.1). */
+    @Volatile var seal: Seal? = null
+
     /** Sends [m] as one frame; returns its size in bytes (what the link counts as sent). */
     @Synchronized
     fun write(m: Message): Int {
-        val frame = Frames.encode(m)
+        val frame = Frames.encode(m, seal)
         if (limiter == null) {
             output.write(frame)
         } else { // paced: RateLimiter.PIECE bytes at a time, each flushed once the bucket allows it (zl_mobile's _send)

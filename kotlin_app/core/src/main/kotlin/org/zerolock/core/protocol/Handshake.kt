@@ -89,23 +89,34 @@ fun deviceHandshake(reader: FrameReader, writer: FrameWriter, auth: DeviceAuth, 
         return m
     }
     val req = next(MsgType.AUTH_REQUEST)
-    if (req.long("protocol_version") != Frames.VERSION.toLong()) {
-        fail(ErrorCode.BAD_VERSION, "protocol version ${req.long("protocol_version")} is not supported; this device speaks ${Frames.VERSION}")
+    if (req.long("protocol_version") != Frames.PROTOCOL_VERSION.toLong()) {
+        fail(ErrorCode.BAD_VERSION, "host speaks protocol version ${req.long("protocol_version")}, this device speaks ${Frames.PROTOCOL_VERSION} (sealed sessions); upgrade the older side")
     }
+    val ph = (req.meta["host_share"] as? String)?.let { Handshake.unhex(it) }
+        ?: fail(ErrorCode.UNAUTHENTICATED, "AUTH_REQUEST of protocol version ${Frames.PROTOCOL_VERSION} without host_share; the host must send its X25519 share")
     if (takesSlot && auth.sessionBusy()) fail(ErrorCode.BUSY, "device already serves another host session; end it first")
     val nhHex = req.string("host_nonce")
     if (!auth.rememberNonce(nhHex)) fail(ErrorCode.UNAUTHENTICATED, "host nonce replayed; start a new handshake with a fresh nonce")
     val nd = Handshake.randomBytes()
-    writer.write(Message(MsgType.AUTH_CHALLENGE, linkedMapOf("device_nonce" to Handshake.hex(nd), "device_name" to auth.deviceName)))
+    val share = Sealing.newShare()
+    writer.write(Message(MsgType.AUTH_CHALLENGE, linkedMapOf("device_nonce" to Handshake.hex(nd), "device_name" to auth.deviceName, "device_share" to Handshake.hex(share.public))))
     val resp = next(MsgType.AUTH_RESPONSE)
     val nh = Handshake.unhex(nhHex)
     val expected = Handshake.hostProof(auth.keyBytes(), nh, nd)
     if (!Handshake.proofEquals(expected, Handshake.unhex(resp.string("host_proof")))) {
         fail(ErrorCode.UNAUTHENTICATED, "wrong host proof; give zl-host the token shown on the device")
     }
+    val dh = try { Sealing.sharedSecret(share.private, ph) } catch (e: ProtocolException) { fail(e.code, e.detail) }
     if (takesSlot && !auth.tryTakeSession()) fail(ErrorCode.BUSY, "device already serves another host session; end it first")
     try {
         writer.write(Message(MsgType.AUTH_OK, linkedMapOf("device_proof" to Handshake.hex(Handshake.deviceProof(auth.keyBytes(), nh, nd)))))
+        // AUTH_OK went out plain; everything after it is sealed (PROTOCOL.md 6.1), HELLO first
+        if (!Sealing.disabledForBenchmark()) {
+            val (h2d, d2h) = Sealing.deriveKeys(auth.keyBytes(), nh, nd, dh, ph, share.public)
+            val seal = Seal(d2h, h2d)
+            writer.seal = seal
+            reader.seal = seal
+        }
         writer.write(hello)
     } catch (e: Exception) {
         if (takesSlot) auth.releaseSession()
@@ -126,14 +137,24 @@ fun hostHandshake(reader: FrameReader, writer: FrameWriter, token: String, hostN
         if (m.type != t) throw ProtocolException(ErrorCode.UNEXPECTED, "expected ${t.name}, got ${m.type.name}")
         return m
     }
-    writer.write(Message(MsgType.AUTH_REQUEST, linkedMapOf("protocol_version" to Frames.VERSION.toLong(), "host_nonce" to Handshake.hex(nh), "host_name" to hostName)))
+    val share = Sealing.newShare()
+    writer.write(Message(MsgType.AUTH_REQUEST, linkedMapOf("protocol_version" to Frames.PROTOCOL_VERSION.toLong(), "host_nonce" to Handshake.hex(nh), "host_name" to hostName, "host_share" to Handshake.hex(share.public))))
     val ch = expect(MsgType.AUTH_CHALLENGE)
     val nd = Handshake.unhex(ch.string("device_nonce"))
+    val pd = (ch.meta["device_share"] as? String)?.let { Handshake.unhex(it) }
+        ?: throw ProtocolException(ErrorCode.BAD_VERSION, "device sent no device_share: it speaks protocol version 1 (unsealed), this side ${Frames.PROTOCOL_VERSION} (sealed sessions); upgrade the device")
     if (nd.contentEquals(nh)) throw ProtocolException(ErrorCode.UNAUTHENTICATED, "device nonce equals the host nonce; reflection refused")
     writer.write(Message(MsgType.AUTH_RESPONSE, linkedMapOf("host_proof" to Handshake.hex(Handshake.hostProof(key, nh, nd)))))
     val ok = expect(MsgType.AUTH_OK)
     if (!Handshake.proofEquals(Handshake.deviceProof(key, nh, nd), Handshake.unhex(ok.string("device_proof")))) {
         throw ProtocolException(ErrorCode.UNAUTHENTICATED, "wrong device proof; the device does not hold this token")
+    }
+    if (!Sealing.disabledForBenchmark()) {
+        // HELLO is the first sealed frame: opening it confirms both sides derived the same keys
+        val (h2d, d2h) = Sealing.deriveKeys(key, nh, nd, Sealing.sharedSecret(share.private, pd), share.public, pd)
+        val seal = Seal(h2d, d2h)
+        writer.seal = seal
+        reader.seal = seal
     }
     return expect(MsgType.HELLO)
 }

@@ -58,8 +58,9 @@ object Schema {
     val STATE_KINDS = setOf("lora", "optimizer")
 
     private val specs: Map<MsgType, Spec> = mapOf(
-        MsgType.AUTH_REQUEST to Spec(mapOf("protocol_version" to T.UINT, "host_nonce" to T.HEX64, "host_name" to T.STR), emptyMap(), Tensors.NONE),
-        MsgType.AUTH_CHALLENGE to Spec(mapOf("device_nonce" to T.HEX64, "device_name" to T.STR), emptyMap(), Tensors.NONE),
+        // the X25519 shares of version 2 are optional here so a version-1 AUTH_REQUEST decodes and gets BAD_VERSION
+        MsgType.AUTH_REQUEST to Spec(mapOf("protocol_version" to T.UINT, "host_nonce" to T.HEX64, "host_name" to T.STR), mapOf("host_share" to T.HEX64), Tensors.NONE),
+        MsgType.AUTH_CHALLENGE to Spec(mapOf("device_nonce" to T.HEX64, "device_name" to T.STR), mapOf("device_share" to T.HEX64), Tensors.NONE),
         MsgType.AUTH_RESPONSE to Spec(mapOf("host_proof" to T.HEX64), emptyMap(), Tensors.NONE),
         MsgType.AUTH_OK to Spec(mapOf("device_proof" to T.HEX64), emptyMap(), Tensors.NONE),
         MsgType.HELLO to Spec(
@@ -188,7 +189,7 @@ object Messages {
 
     fun hello(name: String, runtimeVersion: String, memoryBytes: Long, capabilities: List<String>, extra: Map<String, Any?> = emptyMap()): Message =
         Message(MsgType.HELLO, LinkedHashMap<String, Any?>(extra).also {
-            it["name"] = name; it["protocol_version"] = Frames.VERSION.toLong(); it["runtime_version"] = runtimeVersion
+            it["name"] = name; it["protocol_version"] = Frames.PROTOCOL_VERSION.toLong(); it["runtime_version"] = runtimeVersion
             it["memory_bytes"] = memoryBytes; it["capabilities"] = capabilities
         })
 }

@@ -1,0 +1,93 @@
+"""What sealed sessions cost (issue 54, PROTOCOL.md 6.1): the same export, data, settings and
+pipeline, sealed and unsealed (the benchmark-only switch ZL_BENCHMARK_ONLY_UNSEALED=1, inherited by
+the phones), interleaved for --rounds rounds; per mode the pipeline's samples/s (windows after the
+first) and the median step time per stage (phase1 + phase2 of a micro-batch). Target: sealed
+within 2% of unsealed throughput.
+
+Usage:
+  python bench/sealing.py [--program EXPORT | (default) the tests' tiny model, exported here]
+        [--runtime python|kotlin] [--windows 4] [--window 2] [--rounds 3] [--out bench/results/sealing.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import bench.common  # noqa: E402,F401  (quiet libraries, SIGTERM unwinds)
+
+from zl_mobile.protocol.seal import BENCH_ENV  # noqa: E402
+
+
+def tiny_export(work: Path) -> Path:
+    """The tests' small Llama (tests/conftest.py), three chunks, portable backend."""
+    from exporter.export import export_model
+    from tests.conftest import SMALL_CHUNKS, small_export_config, write_small_model_dir
+
+    out = work / "tiny_export"
+    if not (out / "manifest.json").exists():
+        model = write_small_model_dir(work / "tiny_model")
+        export_model(str(model), SMALL_CHUNKS, out, small_export_config(), modes=("zerolock",))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--program", type=Path, default=None, help="a zl-export output dir (default: the tiny model)")
+    ap.add_argument("--runtime", choices=("python", "kotlin"), default="python")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--window", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=Path("bench/results/sealing.json"))
+    ap.add_argument("--work", type=Path, default=Path("/tmp/zl-bench-sealing"))
+    a = ap.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from bench.kotlin_phone import one_run
+    from zl_common.data import encode_examples, load_examples, make_microbatches
+
+    program = a.program or tiny_export(a.work)
+    manifest = json.loads((program / "manifest.json").read_text())
+    n, ex = len(manifest["chunks"]), manifest["export"]
+    tok = AutoTokenizer.from_pretrained(program / "tokenizer")
+    mbs = make_microbatches(encode_examples(load_examples(None), tok, ex["seq_len"]), ex["micro_batch"],
+                            ex["seq_len"], tok.pad_token_id)[: a.windows * a.window]
+    runs = {"sealed": [], "unsealed": []}
+    for r in range(a.rounds):
+        order = ("sealed", "unsealed") if r % 2 == 0 else ("unsealed", "sealed")  # neither always goes first
+        for mode in order:
+            if mode == "unsealed":
+                os.environ[BENCH_ENV] = "1"
+            else:
+                os.environ.pop(BENCH_ENV, None)
+            try:
+                res = one_run(program, mbs, a.windows, a.window, a.runtime, n,
+                              a.work / f"{mode}-{r}-{int(time.time())}", None)
+            finally:
+                os.environ.pop(BENCH_ENV, None)
+            runs[mode].append(res)
+            print(f"round {r} {mode}: {res['samples_per_s'] or 0:.3f} samples/s, steps "
+                  + ", ".join(f"{s['step_s'] * 1e3:.1f}" for s in res["stages"].values()) + " ms", flush=True)
+    tp = {m: statistics.median([x["samples_per_s"] for x in runs[m] if x["samples_per_s"]] or [0]) for m in runs}
+    steps = {m: {k: statistics.median([x["stages"][k]["step_s"] for x in runs[m] if x["stages"][k]["step_s"]])
+                 for k in range(n)} for m in runs}
+    cost = 1 - tp["sealed"] / tp["unsealed"] if tp["unsealed"] else None
+    summary = {"program": str(program), "runtime": a.runtime, "stages": n, "micro_batch": ex["micro_batch"],
+               "seq_len": ex["seq_len"], "rounds": a.rounds, "windows": a.windows, "window": a.window,
+               "samples_per_s": tp, "step_s": steps, "throughput_cost": cost, "runs": runs}
+    print(f"samples/s: sealed {tp['sealed']:.3f}, unsealed {tp['unsealed']:.3f}; cost {cost * 100:+.2f}% (target <= 2%)")
+    for k in range(n):
+        print(f"stage {k}: step sealed {steps['sealed'][k] * 1e3:.1f} ms, unsealed {steps['unsealed'][k] * 1e3:.1f} ms")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(summary, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,456 @@
+"""Sealed sessions (PROTOCOL.md 6.1), as an attacker would test them: the shared vectors; an on-path
+TCP proxy between a host and a real zl-phone that flips, drops, replays or reorders one frame after
+the handshake; a peer of protocol version 1; a passive capture of a short training run on loopback."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import socket
+import struct
+import threading
+import time
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zl_mobile.protocol import (ConnectionClosed, ErrorCode, Message, MsgType, ProtocolError, decode_message,
+                                encode_message, host_handshake, recv_message, send_message)
+from zl_mobile.protocol import seal as S
+from zl_mobile.protocol.frames import PREAUTH_MAX_FRAME
+
+VEC = Path(__file__).resolve().parent / "vectors"
+SEALING = json.loads((VEC / "sealing" / "vectors.json").read_text())
+
+
+# ---- shared vectors (the Kotlin SealingVectorsTest runs the same file) ----------------------
+
+def test_sealing_vectors_are_up_to_date():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("zl_sealing_generate", VEC / "sealing" / "generate.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    assert gen.render() == (VEC / "sealing" / "vectors.json").read_text(), "run tests/vectors/sealing/generate.py"
+
+
+def test_keys_from_token_nonces_and_shares():
+    v = SEALING
+    hp, dp = S.private_from_bytes(bytes.fromhex(v["host_private"])), S.private_from_bytes(bytes.fromhex(v["device_private"]))
+    assert S.public_share(hp).hex() == v["host_share"] and S.public_share(dp).hex() == v["device_share"]
+    dh = S.shared_secret(hp, bytes.fromhex(v["device_share"]))
+    assert dh.hex() == v["dh"] == S.shared_secret(dp, bytes.fromhex(v["host_share"])).hex()
+    h2d, d2h = S.derive_keys(bytes.fromhex(v["token"]), bytes.fromhex(v["host_nonce"]), bytes.fromhex(v["device_nonce"]),
+                             dh, bytes.fromhex(v["host_share"]), bytes.fromhex(v["device_share"]))
+    assert (h2d.hex(), d2h.hex()) == (v["key_h2d"], v["key_d2h"]) and h2d != d2h
+    # another token (same nonces and shares): other keys; so a man in the middle without it has none
+    other = S.derive_keys(bytes(32), bytes.fromhex(v["host_nonce"]), bytes.fromhex(v["device_nonce"]), dh,
+                          bytes.fromhex(v["host_share"]), bytes.fromhex(v["device_share"]))
+    assert other[0] != h2d and other[1] != d2h
+    assert S.nonce(7).hex() == v["nonce_of_counter_7"]
+
+
+def _open_over_socket(key: str, counter: int, data: bytes) -> Message:
+    """recv_message on a real socket pair with the record layer installed at `counter`."""
+    a, b = socket.socketpair()
+    try:
+        S.install(b, S.Seal(bytes(32), bytes.fromhex(key), received=counter))
+        a.sendall(data)
+        a.shutdown(socket.SHUT_WR)
+        return recv_message(b)
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("frame", SEALING["frames"], ids=lambda f: f["name"])
+def test_sealed_frame_vectors(frame):
+    key = SEALING["key_h2d"] if frame["direction"] == "h2d" else SEALING["key_d2h"]
+    plain = (VEC / f"{frame['plain_vector']}.bin").read_bytes()
+    sealed = bytes.fromhex(frame["sealed_hex"])
+    want = decode_message(plain)
+    got = _open_over_socket(key, frame["counter"], sealed)
+    assert got.type == want.type and got.meta == want.meta
+    assert set(got.tensors) == set(want.tensors)
+    for k in want.tensors:
+        assert np.asarray(got.tensors[k]).tobytes() == np.asarray(want.tensors[k]).tobytes()
+    # the plain body does not appear in the sealed frame
+    assert plain[16:-4] not in sealed and sealed[6] == 1 and len(sealed) == len(plain) + S.TAG_BYTES
+
+
+@pytest.mark.parametrize("case", SEALING["tampered"], ids=lambda c: c["name"])
+def test_tampered_frame_vectors(case):
+    key = SEALING["key_h2d"] if case["direction"] == "h2d" else SEALING["key_d2h"]
+    with pytest.raises(ProtocolError) as e:
+        _open_over_socket(key, case["counter"], bytes.fromhex(case["sealed_hex"]))
+    assert e.value.code == ErrorCode(case["error"]), case["why"]
+
+
+# ---- an on-path proxy -----------------------------------------------------------------------
+
+def _read_frame(sock: socket.socket) -> bytes | None:
+    buf = b""
+    while len(buf) < 16:
+        chunk = sock.recv(16 - len(buf))
+        if not chunk:
+            return None
+        buf += chunk
+    need = struct.unpack_from("<I", buf, 8)[0] + 4
+    rest = b""
+    while len(rest) < need:
+        chunk = sock.recv(need - len(rest))
+        if not chunk:
+            return None
+        rest += chunk
+    return buf + rest
+
+
+def _fix_crcs(frame: bytearray) -> bytes:
+    frame[12:16] = struct.pack("<I", zlib.crc32(bytes(frame[:12])))
+    frame[-4:] = struct.pack("<I", zlib.crc32(bytes(frame[16:-4])))
+    return bytes(frame)
+
+
+class OnPathProxy:
+    """Relays frames between a host and a phone; in the host->phone direction it applies `action`
+    to frame number `at` (0 and 1 are AUTH_REQUEST and AUTH_RESPONSE: `at` >= 2 is sealed).
+    flip: one body byte flipped and both CRCs recomputed (what an attacker does); drop; replay
+    (sent twice); reorder (frames at and at+1 swapped). It records what the phone sends back."""
+
+    def __init__(self, target: tuple[str, int], action: str | None, at: int = 2):
+        self.target, self.action, self.at = target, action, at
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.from_phone: list[bytes] = []
+        self.threads: list[threading.Thread] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        host, _ = self.listener.accept()
+        phone = socket.create_connection(self.target)
+        for fn in (self._up, self._down):
+            t = threading.Thread(target=fn, args=(host, phone), daemon=True)
+            t.start()
+            self.threads.append(t)
+
+    def _up(self, host, phone):
+        n, held = 0, None
+        try:
+            while (f := _read_frame(host)) is not None:
+                out = [f]
+                if n == self.at and self.action == "flip":
+                    b = bytearray(f)
+                    b[16 + 8] ^= 0x01
+                    out = [_fix_crcs(b)]
+                elif n == self.at and self.action == "drop":
+                    out = []
+                elif n == self.at and self.action == "replay":
+                    out = [f, f]
+                elif n == self.at and self.action == "reorder":
+                    held, out = f, []
+                elif n == self.at + 1 and held is not None:
+                    out = [f, held]
+                for x in out:
+                    phone.sendall(x)
+                n += 1
+        except OSError:
+            pass
+        finally:
+            try:
+                phone.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+    def _down(self, host, phone):
+        try:
+            while (f := _read_frame(phone)) is not None:
+                self.from_phone.append(f)
+                host.sendall(f)
+        except OSError:
+            pass
+        finally:
+            try:
+                host.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+
+
+@pytest.fixture(scope="module")
+def phone(tmp_path_factory):
+    from host.emulate import start_phones
+
+    (p,) = start_phones(1, tmp_path_factory.mktemp("seal"), prefix=f"seal{os.getpid()}-")
+    yield p
+    p.stop()
+
+
+def _push_probe(sock: socket.socket, name: str, data: bytes) -> None:
+    """FILE_BEGIN, FILE_CHUNK, FILE_END, sent as fast as they go (no waiting for an answer)."""
+    sha = hashlib.sha256(data).hexdigest()
+    send_message(sock, Message(MsgType.FILE_BEGIN, {"transfer_id": 1, "name": name, "kind": "weights",
+                                                     "size": len(data), "sha256": sha}))
+    send_message(sock, Message(MsgType.FILE_CHUNK, {"transfer_id": 1, "offset": 0},
+                               {"data": np.frombuffer(data, dtype=np.uint8)}))
+    send_message(sock, Message(MsgType.FILE_END, {"transfer_id": 1}))
+
+
+def _shutdown(sock: socket.socket) -> None:
+    """End a session and wait for the phone to close it: its slot is free again after that."""
+    send_message(sock, Message(MsgType.SHUTDOWN, {}))
+    try:
+        while True:
+            recv_message(sock)
+    except (ConnectionClosed, OSError):
+        pass
+
+
+def _session_through(phone, action, name):
+    proxy = OnPathProxy((phone.address, phone.port), action)
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    got: list[Message] = []
+    try:
+        host_handshake(sock, phone.token, host_name="attacked")
+        _push_probe(sock, name, os.urandom(3000))
+        sock.settimeout(10)
+        while True:
+            try:
+                got.append(recv_message(sock))
+            except (ConnectionClosed, OSError):
+                break
+    finally:
+        sock.close()
+    return got, proxy
+
+
+def test_untouched_session_through_the_proxy_applies_the_file(phone):
+    """The control: the same proxy relaying faithfully, the file arrives (FILE_RESULT ok)."""
+    proxy = OnPathProxy((phone.address, phone.port), None)
+    sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=10)
+    try:
+        host_handshake(sock, phone.token, host_name="control")
+        _push_probe(sock, "probe_control.bin", os.urandom(3000))
+        sock.settimeout(10)
+        while (m := recv_message(sock)).type != MsgType.FILE_RESULT:
+            pass
+        assert m["ok"] is True
+        _shutdown(sock)
+    finally:
+        sock.close()
+    assert any(p.name == "probe_control.bin" for p in phone.workdir.rglob("*"))
+
+
+@pytest.mark.parametrize("action", ["flip", "drop", "replay", "reorder"])
+def test_on_path_tampering_ends_the_session_with_one_error_and_applies_nothing(phone, action):
+    name = f"probe_{action}.bin"
+    got, proxy = _session_through(phone, action, name)
+    errors = [m for m in got if m.type == MsgType.ERROR]
+    assert len(errors) == 1, [m.type.name for m in got]
+    assert errors[0]["code"] == "UNAUTHENTICATED" and "failed to open" in errors[0]["message"]
+    assert not any(m.type in (MsgType.FILE_RESULT, MsgType.ACK) for m in got), [m.type.name for m in got]
+    # the ERROR is the last frame, and every frame the phone sent after its HELLO was sealed
+    assert got[-1].type == MsgType.ERROR
+    assert all(f[6] == 1 for f in proxy.from_phone[2:]) and proxy.from_phone[-1][5] == MsgType.ERROR
+    time.sleep(0.3)
+    assert not any(p.name.startswith(name) for p in phone.workdir.rglob("*"))
+    # the phone recovers: the slot is free for the next (honest) host
+    sock = socket.create_connection((phone.address, phone.port), timeout=10)
+    try:
+        assert host_handshake(sock, phone.token)["protocol_version"] == 2
+        _shutdown(sock)
+    finally:
+        sock.close()
+
+
+def test_phone_to_host_tampering_is_caught_by_the_host(phone):
+    """The other direction: a HELLO altered in flight does not open on the host."""
+    proxy_port = _flip_down_proxy((phone.address, phone.port))
+    sock = socket.create_connection(("127.0.0.1", proxy_port), timeout=10)
+    try:
+        with pytest.raises(ProtocolError) as e:
+            host_handshake(sock, phone.token)
+        assert e.value.code == ErrorCode.UNAUTHENTICATED and "failed to open" in str(e.value)
+    finally:
+        sock.close()
+
+
+def _flip_down_proxy(target) -> int:
+    lst = socket.create_server(("127.0.0.1", 0))
+
+    def run():
+        host, _ = lst.accept()
+        ph = socket.create_connection(target)
+        threading.Thread(target=lambda: _pipe(host, ph), daemon=True).start()
+        n = 0
+        while (f := _read_frame(ph)) is not None:
+            if n == 2:  # the HELLO, the first sealed frame from the phone
+                b = bytearray(f)
+                b[20] ^= 0x40
+                f = _fix_crcs(b)
+            host.sendall(f)
+            n += 1
+        host.close()
+
+    threading.Thread(target=run, daemon=True).start()
+    return lst.getsockname()[1]
+
+
+def _pipe(a, b):
+    try:
+        while (d := a.recv(65536)):
+            b.sendall(d)
+    except OSError:
+        pass
+
+
+# ---- an old peer ------------------------------------------------------------------------------
+
+def test_a_version_1_host_is_refused_with_one_line_naming_the_version(phone):
+    sock = socket.create_connection((phone.address, phone.port), timeout=10)
+    try:
+        send_message(sock, Message(MsgType.AUTH_REQUEST, {"protocol_version": 1, "host_nonce": os.urandom(32).hex(),
+                                                          "host_name": "old-host"}))
+        reply = recv_message(sock, max_frame=PREAUTH_MAX_FRAME)  # plain: an old host can read it
+        assert reply.type == MsgType.ERROR and reply["code"] == "BAD_VERSION"
+        assert "protocol version 1" in reply["message"] and "2" in reply["message"] and "\n" not in reply["message"]
+        with pytest.raises(ConnectionClosed):
+            recv_message(sock)
+    finally:
+        sock.close()
+
+
+def test_a_version_1_device_is_refused_by_the_host():
+    """A device of version 1 answers a challenge without device_share: the host names the version."""
+    from zl_mobile.protocol import HostHandshake
+
+    hs = HostHandshake(bytes(32))
+    hs.start()
+    with pytest.raises(ProtocolError) as e:
+        hs.on_challenge(Message(MsgType.AUTH_CHALLENGE, {"device_nonce": "ab" * 32, "device_name": "old"}))
+    assert e.value.code == ErrorCode.BAD_VERSION and "protocol version 1" in str(e.value)
+
+
+# ---- a passive capture of a short run ---------------------------------------------------------
+
+class LoopbackCapture:
+    """Every TCP segment on `lo` (AF_PACKET, needs root), kept as (sport, dport, payload)."""
+
+    def __init__(self):
+        self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+        self.sock.bind(("lo", 0))
+        self.sock.settimeout(0.2)
+        self.segments: list[tuple[int, int, bytes]] = []
+        self.stop = False
+        self.t = threading.Thread(target=self._run, daemon=True)
+        self.t.start()
+
+    def _run(self):
+        while not self.stop:
+            try:
+                pkt = self.sock.recv(1 << 17)
+            except socket.timeout:
+                continue
+            if len(pkt) < 34 or pkt[12:14] != b"\x08\x00" or pkt[23] != 6:  # IPv4, TCP
+                continue
+            ihl = (pkt[14] & 0x0F) * 4
+            tcp = 14 + ihl
+            sport, dport = struct.unpack_from("!HH", pkt, tcp)
+            doff = (pkt[tcp + 12] >> 4) * 4
+            if len(pkt) > tcp + doff:
+                self.segments.append((sport, dport, pkt[tcp + doff:]))
+
+    def close(self):
+        self.stop = True
+        self.t.join()
+        self.sock.close()
+
+
+def _listening_ports(pids: list[int]) -> set[int]:
+    """TCP ports the given processes listen on (their sockets' inodes in /proc/net/tcp)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            continue
+    ports = set()
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        f = line.split()
+        if f[3] == "0A" and f[9] in inodes:  # LISTEN
+            ports.add(int(f[1].split(":")[1], 16))
+    return ports
+
+
+def _float_run(data: bytes, run: int = 24) -> bool:
+    """A run of `run` aligned float32 values that look like activations (finite, 1e-4..1e3 in magnitude)."""
+    for off in range(4):
+        a = np.frombuffer(data[off:len(data) - (len(data) - off) % 4], dtype="<f4")
+        m = np.isfinite(a) & (np.abs(a) > 1e-4) & (np.abs(a) < 1e3)
+        best = cur = 0
+        for v in m:
+            cur = cur + 1 if v else 0
+            best = max(best, cur)
+            if best >= run:
+                return True
+    return False
+
+
+def _captured_run(small_export, root: Path, unsealed: bool):
+    from host.plan import RunSettings
+    from tests.conftest import run_pipeline, small_micro_batches
+
+    out, _, _, _ = small_export
+    mbs = small_micro_batches(out, n_examples=2)
+    settings = RunSettings(windows=1, window_size=1, lr=2e-2, inflight_depth=2)
+    old = os.environ.get(S.BENCH_ENV)
+    if unsealed:  # the benchmark switch: phones inherit it, so both ends go unsealed
+        os.environ[S.BENCH_ENV] = "1"
+    phones: list = []
+    ports: set[int] = set()
+    cap = LoopbackCapture()
+    stop = threading.Event()
+
+    def watch():  # the phones' ports (host and stage data ports) as they open
+        while not stop.is_set():
+            ports.update(_listening_ports([p.pid for p in phones if p.pid]))
+            time.sleep(0.2)
+
+    w = threading.Thread(target=watch, daemon=True)
+    w.start()
+    try:
+        run_pipeline(out, root, settings, mbs, phones_out=phones)
+    finally:
+        stop.set()
+        w.join()
+        cap.close()
+        if old is None:
+            os.environ.pop(S.BENCH_ENV, None)
+        else:
+            os.environ[S.BENCH_ENV] = old
+    stream = b"".join(p for s, d, p in cap.segments if s in ports or d in ports)
+    return mbs, stream, ports
+
+
+def _token_needles(mbs) -> list[bytes]:
+    ids = np.asarray(mbs[0]["input_ids"])[0][:8]
+    return [ids.astype("<i8").tobytes(), ids.astype("<i4").tobytes()]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a loopback capture needs root (AF_PACKET)")
+def test_passive_capture_of_a_run_shows_no_tokens_and_no_hidden_states(small_export, tmp_path):
+    mbs, sealed, ports = _captured_run(small_export, tmp_path / "sealed", unsealed=False)
+    assert len(ports) >= 4 and len(sealed) > 100_000  # 3 host ports and the stage data ports were seen
+    assert not any(n in sealed for n in _token_needles(mbs))
+    assert not _float_run(sealed)
+    # the control, with the benchmark switch: the same capture does show them, so the test can see
+    mbs, plain, _ = _captured_run(small_export, tmp_path / "plain", unsealed=True)
+    assert any(n in plain for n in _token_needles(mbs))
+    assert _float_run(plain)
