@@ -20,7 +20,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench.common  # noqa: E402,F401  (quiet libraries, SIGTERM unwinds)
-
 from zl_mobile.protocol.seal import BENCH_ENV  # noqa: E402
 
 

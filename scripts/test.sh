@@ -9,6 +9,7 @@ if [ -f kotlin_app/run_tests.sh ]; then
   bash kotlin_app/run_tests.sh
 fi
 . .venv/bin/activate
+ruff check .  # pyflakes, import order, line length (pyproject.toml [tool.ruff])
 # Two workers: half the suite waits on phones, sockets and timeouts, so the other half computes
 # meanwhile; a test module stays on one worker and the exports are built once (tests/conftest.py).
 python -m pytest tests -n 2 --dist loadgroup "$@"

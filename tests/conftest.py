@@ -213,11 +213,10 @@ def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones
     given, receives the phones (a test that kills one needs its process).
     Returns (result, metrics records)."""
     import json
+    import os
 
     from host.coordinator import Coordinator
     from host.emulate import start_phones
-
-    import os
 
     phones = start_phones(n_phones, root / "phones", prefix=f"t{os.getpid()}-", extra_args=phone_args,
                           network=network)

@@ -18,8 +18,7 @@ import time
 
 import pytest
 
-from zl_mobile.mdns import (SERVICE_TYPE, Advertisement, _zeroconf, advertised_addresses, browse,
-                            one_label_instances, txt_record)
+from zl_mobile.mdns import SERVICE_TYPE, Advertisement, _zeroconf, advertised_addresses, browse, one_label_instances, txt_record
 from zl_mobile.protocol import host_handshake, new_token
 
 TAG = f"t{os.getpid()}{secrets.token_hex(2)}"
@@ -176,7 +175,8 @@ def test_relabelling_touches_only_instance_names_of_our_service():
     out.add_question(DNSQuestion("a.b._zerolock._tcp.local.", const._TYPE_SRV, const._CLASS_IN))
     out.add_answer_at_time(DNSPointer(SERVICE_TYPE, const._TYPE_PTR, const._CLASS_IN, 120, "a.b._zerolock._tcp.local."), 0)
     out.add_answer_at_time(DNSPointer("_http._tcp.local.", const._TYPE_PTR, const._CLASS_IN, 120, "x.y._http._tcp.local."), 0)
-    out.add_answer_at_time(DNSPointer("_zerolock._tcp.local.", const._TYPE_PTR, const._CLASS_IN, 120, "s._sub._zerolock._tcp.local."), 0)
+    out.add_answer_at_time(
+        DNSPointer("_zerolock._tcp.local.", const._TYPE_PTR, const._CLASS_IN, 120, "s._sub._zerolock._tcp.local."), 0)
     (packet,) = out.packets()
     fixed = one_label_instances(packet)
     assert _labels(packet, 12)[0] == [b"a", b"b", b"_zerolock", b"_tcp", b"local"]  # what zeroconf writes

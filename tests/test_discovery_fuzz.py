@@ -16,9 +16,21 @@ from pathlib import Path
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from zl_mobile.mdns import (PROTO, MAX_LABEL_BYTES, OPTIONAL_KEYS, REQUIRED_KEYS, SERVICE_TYPE, check_txt, escape_instance,
-                            found_from, instance_name_problem, one_label_instances, renamed, txt_record,
-                            unescape_instance)
+from zl_mobile.mdns import (
+    MAX_LABEL_BYTES,
+    OPTIONAL_KEYS,
+    PROTO,
+    REQUIRED_KEYS,
+    SERVICE_TYPE,
+    check_txt,
+    escape_instance,
+    found_from,
+    instance_name_problem,
+    one_label_instances,
+    renamed,
+    txt_record,
+    unescape_instance,
+)
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "mdns" / "mdns.json").read_text())
 SEED_TXT = [{k.encode(): (None if v is None else v.encode()) for k, v in c["txt"].items()} for c in VECTORS["txt"]]

@@ -21,9 +21,20 @@ from host.client import DeviceClient
 from host.emulated_phone import EmulatedPhone
 from zl_mobile.connection import Connection, connect
 from zl_mobile.device import sha256_file
-from zl_mobile.protocol import (PREAUTH_MAX_FRAME, ConnectionClosed, ErrorCode, HostHandshake, Message, MsgType,
-                                ProtocolError, encode_message, host_handshake, new_token, recv_message,
-                                send_message)
+from zl_mobile.protocol import (
+    PREAUTH_MAX_FRAME,
+    ConnectionClosed,
+    ErrorCode,
+    HostHandshake,
+    Message,
+    MsgType,
+    ProtocolError,
+    encode_message,
+    host_handshake,
+    new_token,
+    recv_message,
+    send_message,
+)
 from zl_mobile.protocol.frames import SEALED_FLAG, encode_header
 from zl_mobile.protocol.seal import TAG_BYTES, install, seal_of
 

@@ -18,12 +18,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves, auth_request, wait_free
 from host.client import DeviceClient
 from host.emulated_phone import EmulatedPhone
 from tests.conftest import sealed_frame
-from zl_mobile.protocol import (PREAUTH_MAX_FRAME, ConnectionClosed, Message, MsgType, encode_message, new_token,
-                                recv_message)
+from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves, auth_request, wait_free
+from zl_mobile.protocol import PREAUTH_MAX_FRAME, ConnectionClosed, Message, MsgType, encode_message, new_token, recv_message
 
 FAST = ["--mdns", "none", "--threads", "1", "--handshake-timeout", "1", "--io-timeout", "1"]
 

@@ -13,12 +13,12 @@ import zlib
 import numpy as np
 import pytest
 
+from tests.conftest import sealed_frame
 from tests.test_phone_bad_input import TIMEOUT, Session, _seq, _sha, assert_serves, handshake_when_free
 from tests.test_phone_hostile import proc_stats, serving_phone, settled_stats
 from zl_mobile.connection import Connection
 from zl_mobile.protocol import ConnectionClosed, Message, MsgType, ProtocolError, encode_message, new_token
 from zl_mobile.protocol.frames import SEALED_FLAG, encode_header
-from tests.conftest import sealed_frame
 
 
 @pytest.fixture(scope="module")

@@ -13,12 +13,34 @@ import numpy as np
 import pytest
 import torch
 
-from zl_mobile.protocol import (DEFAULT_MAX_FRAME, HEADER_SIZE, PREAUTH_MAX_FRAME, ConnectionClosed,
-                                DeviceAuth, ErrorCode, FrameDecoder, HostHandshake, Message, MsgType,
-                                ProtocolError, RateLimiter, bf16_from_float32, bf16_to_float32,
-                                decode_message, device_handshake, device_proof, encode_message, error_reply,
-                                from_torch, host_handshake, host_proof, new_token, recv_message,
-                                send_message, to_torch)
+from zl_mobile.protocol import (
+    DEFAULT_MAX_FRAME,
+    HEADER_SIZE,
+    PREAUTH_MAX_FRAME,
+    ConnectionClosed,
+    DeviceAuth,
+    ErrorCode,
+    FrameDecoder,
+    HostHandshake,
+    Message,
+    MsgType,
+    ProtocolError,
+    RateLimiter,
+    bf16_from_float32,
+    bf16_to_float32,
+    decode_message,
+    device_handshake,
+    device_proof,
+    encode_message,
+    error_reply,
+    from_torch,
+    host_handshake,
+    host_proof,
+    new_token,
+    recv_message,
+    send_message,
+    to_torch,
+)
 from zl_mobile.protocol.frames import encode_header
 
 VEC = Path(__file__).parent / "vectors"

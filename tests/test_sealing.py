@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import socket
 import struct
 import threading
@@ -17,8 +16,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zl_mobile.protocol import (ConnectionClosed, ErrorCode, Message, MsgType, ProtocolError, decode_message,
-                                encode_message, host_handshake, recv_message, send_message)
+from zl_mobile.protocol import (
+    ConnectionClosed,
+    ErrorCode,
+    Message,
+    MsgType,
+    ProtocolError,
+    decode_message,
+    host_handshake,
+    recv_message,
+    send_message,
+)
 from zl_mobile.protocol import seal as S
 from zl_mobile.protocol.frames import PREAUTH_MAX_FRAME
 

@@ -15,16 +15,26 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from zl_common.program import ProgramError
+
 from . import __version__
 from .assign_rules import validate_assign
 from .backends import Backend
 from .connection import Connection
 from .file_receiver import FileReceiver, clear_incoming
 from .links import bind_listener
-from zl_common.program import ProgramError
+from .protocol import (
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    DeviceAuth,
+    ErrorCode,
+    Message,
+    MsgType,
+    ProtocolError,
+    device_handshake,
+    error_reply,
+)
 from .protocol.quoting import quote, quote_any
-from .protocol import (PROTOCOL_VERSION, ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError, error_reply,
-                       device_handshake)
 from .stage import Stage, StageConfig
 from .telemetry import total_memory_bytes
 
@@ -91,7 +101,8 @@ class Device:
             if p.is_file():
                 stored[p.name] = self._cached_sha(p)
         return Message(MsgType.HELLO, {
-            "name": self.name, "protocol_version": PROTOCOL_VERSION, "runtime_version": f"zl_mobile {__version__} ({self.backend.label})",
+            "name": self.name, "protocol_version": PROTOCOL_VERSION,
+            "runtime_version": f"zl_mobile {__version__} ({self.backend.label})",
             "memory_bytes": total_memory_bytes(), "capabilities": self.backend.capabilities, "os": "linux-emulated",
             "cores": len(os.sched_getaffinity(0)), "files": stored,
             **({"cpu_share": self.cpu_share} if self.cpu_share is not None else {}),

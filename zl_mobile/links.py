@@ -25,9 +25,20 @@ import threading
 import time
 
 from .connection import Connection, connect, tune_link_socket
+from .protocol import (
+    DEFAULT_MAX_FRAME,
+    PROTOCOL_VERSION,
+    ConnectionClosed,
+    DeviceAuth,
+    ErrorCode,
+    Message,
+    MsgType,
+    ProtocolError,
+    device_handshake,
+    error_reply,
+    host_handshake,
+)
 from .protocol.quoting import quote
-from .protocol import (PROTOCOL_VERSION, DEFAULT_MAX_FRAME, ConnectionClosed, DeviceAuth, ErrorCode, Message, MsgType, ProtocolError,
-                       device_handshake, error_reply, host_handshake)
 
 log = logging.getLogger("zl_mobile.links")
 NO_END = 2**53  # "to the end" in REPLAY_REQUEST

@@ -129,9 +129,10 @@ def main(argv=None) -> int:
 def _main(a, parser, budget) -> int:
     logging.basicConfig(level=logging.DEBUG if a.verbose else logging.INFO,
                         format=f"%(asctime)s {a.name} %(levelname)s %(message)s", stream=sys.stderr)
+    from zl_common.quiet import quiet_libraries
+
     from .cpu_budget import threads_for_share
     from .heap import fix_mmap_threshold
-    from zl_common.quiet import quiet_libraries
 
     fix_mmap_threshold()  # large frame buffers go back to the system when freed (zl_mobile/heap.py)
     quiet_libraries(transformers=False)  # torchao's and torch's messages that are not errors (eager backend)

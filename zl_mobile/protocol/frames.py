@@ -12,8 +12,8 @@ import zlib
 from typing import Any, NamedTuple
 
 from .errors import ErrorCode, ProtocolError, human_bytes
-from .quoting import quote
 from .messages import INT64_MAX, INT64_MIN, Message, MsgType, validate
+from .quoting import quote
 from .tensors import as_wire_array, decode_record, encode_record
 
 MAGIC = b"ZLWP"

@@ -12,14 +12,14 @@ import hashlib
 import hmac
 import secrets
 import socket
-import time
 import threading
+import time
 from typing import Callable
 
+from . import seal as _seal
 from .errors import ErrorCode, ProtocolError
 from .frames import PREAUTH_MAX_FRAME, PROTOCOL_VERSION
 from .messages import Message, MsgType, error_reply
-from . import seal as _seal
 from .transport import recv_message, send_message
 
 NONCE_BYTES = 32

@@ -10,8 +10,18 @@ import zlib
 from typing import Callable, Protocol
 
 from .errors import ConnectionClosed, ErrorCode, ProtocolError
-from .frames import (DEFAULT_MAX_FRAME, HEADER_SIZE, SEALED_FLAG, TRAILER_SIZE, decode_body, decode_plain_body,
-                     encode_body, encode_header, encode_parts, parse_header)
+from .frames import (
+    DEFAULT_MAX_FRAME,
+    HEADER_SIZE,
+    SEALED_FLAG,
+    TRAILER_SIZE,
+    decode_body,
+    decode_plain_body,
+    encode_body,
+    encode_header,
+    encode_parts,
+    parse_header,
+)
 from .messages import Message
 from .seal import TAG_BYTES, seal_of
 

@@ -8,15 +8,25 @@ OUT = Path(__file__).with_name("mdns.json")
 OK = {"name": "p0", "proto": "2", "runtime": "zl_mobile/executorch", "mem": "8589934592"}
 def t(name, txt, status, problems=(), fields=None, txt_hex=None, note=None):
     d = {"name": name, "txt": txt}
-    if txt_hex: d["txt_hex"] = txt_hex
+    if txt_hex:
+        d["txt_hex"] = txt_hex
     d["status"] = status
     d["problems"] = sorted(problems)
-    if fields is not None: d["fields"] = fields
-    if note: d["note"] = note
+    if fields is not None:
+        d["fields"] = fields
+    if note:
+        d["note"] = note
     return d
 def w(**kw):
-    x = dict(OK); x.update(kw); return {k: v for k, v in x.items() if v != "__drop__"}
-F = lambda **kw: {**{"name": "p0", "proto": 2, "runtime": "zl_mobile/executorch", "mem": 8589934592, "cpu_share": None}, **kw}
+    x = dict(OK)
+    x.update(kw)
+    return {k: v for k, v in x.items() if v != "__drop__"}
+
+
+def F(**kw):
+    return {**{"name": "p0", "proto": 2, "runtime": "zl_mobile/executorch", "mem": 8589934592, "cpu_share": None}, **kw}
+
+
 txt = [
     t("ok_minimal", OK, "ok", fields=F()),
     t("ok_cpu_share_half", w(cpu_share="0.5"), "ok", fields=F(cpu_share=0.5)),
