@@ -178,7 +178,7 @@ class DistStage:
         # micro-batches in the replay log, a restart's included (telemetry: replay_held)
         self.log_held: set[int] = {int(f.stem[3:]) for f in self.log_dir.glob("mb_*.pt")}
         self.log_held_peak = len(self.log_held)
-        self.faults = Faults([f for f in (a.inject_failure or []) if f["stage"] == self.k], store=self.store,
+        self.faults = Faults([f for f in (a.inject_failure or []) if f["stage"] == self.k], store=self.store, stage=self.k,
                              marker=lambda point, w: run_dir / f"failure-injected-{self.k}-{w}-{point}",
                              on_fire=lambda point, w: self._record("FAILURE_INJECTED", {"window": w, "point": point}))
         self.core = StageCore(self.program, Path(a.program) / chunk["lora_init"], self.store, stage=self.k,

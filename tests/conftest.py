@@ -1,7 +1,8 @@
 """Shared fixtures: a small Llama (3 layers) written as a HF directory and exported once per
 session in three chunks, so tests that need real programs share one export. The suite runs in
 pytest-xdist workers (scripts/test.sh): the costly session fixtures are built once for all
-workers (`shared_once`), and each test module stays on one worker (`pytest_collection_modifyitems`)."""
+workers (`shared_once`), and each test module stays on one worker (`--dist loadfile`: its module-scoped
+fixtures are built once, the README runner's commands run in order)."""
 from __future__ import annotations
 
 import os
@@ -29,19 +30,6 @@ _bind_library_logging_to_session_stderr()
 SMALL_LAYERS = 3
 SMALL_DECODE_BLOCK = 6144  # weights decoded at once in the small int4 export: the MLP's 8,192 in 2 row blocks
 SMALL_CHUNKS = "0-0,1-1,2-2"  # three one-layer chunks: three emulated phones
-
-
-# Modules that use one machine-wide resource (the adb server on 5037, mDNS on loopback with fixed
-# names, cgroups, network namespaces): run on one worker, one after another, never beside each other.
-SERIAL_GROUP = {"test_adb", "test_adb_run", "test_netns", "test_cpu_budget"}
-
-
-def pytest_collection_modifyitems(config, items):
-    """Group tests by module for `--dist loadgroup`: a module's module-scoped fixtures are then built
-    once, and the modules in SERIAL_GROUP share one group."""
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        item.add_marker(pytest.mark.xdist_group("serial" if module in SERIAL_GROUP else module))
 
 
 def shared_once(tmp_path_factory, name: str, build):

@@ -16,7 +16,7 @@ import pytest
 
 from zl_mobile.connection import Connection, connect
 from zl_mobile.mdns import SERVICE_TYPE, _zeroconf, browse, parse_txt
-from zl_mobile.protocol import Message, MsgType, RateLimiter, host_handshake, new_token
+from zl_mobile.protocol import PROTOCOL_VERSION, Message, MsgType, RateLimiter, host_handshake, new_token
 from zl_mobile.telemetry import total_memory_bytes
 
 PHONE = [sys.executable, "-m", "zl_mobile.phone"]
@@ -82,7 +82,7 @@ def test_phone_is_found_over_mdns_on_loopback(advertised_phone):
     assert len(mine) == 1, found
     f = mine[0]
     assert (f.address, f.port, f.endpoint) == ("127.0.0.1", port, f"127.0.0.1:{port}")
-    assert (f.proto, f.runtime, f.memory_bytes) == (1, "zl_mobile/executorch", total_memory_bytes())
+    assert (f.proto, f.runtime, f.memory_bytes) == (PROTOCOL_VERSION, "zl_mobile/executorch", total_memory_bytes())
     # the TXT record itself carries name/proto/runtime/mem
     zc = _zeroconf(["127.0.0.1"])
     try:

@@ -102,7 +102,7 @@ class Stage:
         self.store = CheckpointStore(self.workdir / "stages" / cfg.run_id / f"stage_{self.k}", keep=cfg.keep_checkpoints)
         if cfg.rollback_to_window is not None:
             self.store.rollback(cfg.rollback_to_window)
-        faults = Faults(cfg.inject_failure, store=self.store,
+        faults = Faults(cfg.inject_failure, store=self.store, stage=self.k,
                         marker=lambda point, w: self.workdir / f"failure-injected-{cfg.run_id}-{self.k}-{w}-{point}")
         self.core = StageCore(self.program, Path(export_dir) / chunk["lora_init"], self.store, stage=self.k,
                               window_size=cfg.window_size, lr=cfg.lr, weight_decay=cfg.weight_decay,

@@ -57,13 +57,14 @@ class Faults:
     restarted process goes past the point it died at."""
 
     def __init__(self, specs: list[dict] | None, marker: Callable[[str, int], Path], store: CheckpointStore | None = None,
-                 on_fire: Callable[[str, int], None] | None = None):
+                 on_fire: Callable[[str, int], None] | None = None, stage: int | None = None):
         self.specs = [FaultSpec(point=sp.get("point", "after-phase1"), window=sp.get("window"),
                                 mode=sp.get("mode", "process"), detect=sp.get("detect", "connection"),
                                 seconds=float(sp.get("seconds", 0.0))) for sp in specs or []]
         self._marker = marker
         self._store = store
         self._on_fire = on_fire
+        self._stage = stage  # named in the log line tests and people look for ("stage K: injected failure ...")
         self._stalled: set[int] = set()
 
     def due(self, point: str, window: int) -> FaultSpec | None:
@@ -76,7 +77,7 @@ class Faults:
         if spec is None:
             return
         self._marker(point, window).write_text("injected")
-        log.warning("injected failure (%s) at %s of window %d", spec.mode, point, window)
+        log.warning("stage %s: injected failure (%s) at %s of window %d", self._stage, spec.mode, point, window)
         if self._on_fire is not None:
             self._on_fire(point, window)
         if point == "mid-checkpoint" and self._store is not None:  # a half-written checkpoint, as a crash leaves
