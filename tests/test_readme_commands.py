@@ -84,7 +84,7 @@ class Reader:
             out.append(w)
             i += 1
         prog = out[:2]
-        if out[0] == "zl-export" or prog == ["zl-host", "finetune"]:  # finetune exports too (its default fits the rows)
+        if out[0] == "zl-export":  # not finetune: its --seq-len auto fits the chat rows (16 would cut every answer)
             out += [] if "--seq-len" in out else ["--seq-len", SIZES["--seq-len"]]
             if cmd is FIRST_EXPORT:  # the torchrun section asks this export for --eager-weights in its text
                 out.append("--eager-weights")
