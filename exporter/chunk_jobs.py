@@ -11,6 +11,7 @@ folder, so what is written is the same as exporting one chunk after another."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import traceback
 
@@ -20,6 +21,7 @@ from .errors import ExportError
 # MiB) plus copies of the chunk's weights made while lowering; see default_jobs.
 WORKER_BASE_BYTES = 512 * 2**20
 WORKER_WEIGHT_COPIES = 3
+_STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
 
 
 def available_cpus() -> int:
@@ -65,12 +67,20 @@ def run_chunk_jobs(n: int, work, jobs: int, say) -> list:
     ctx = mp.get_context("fork")
     threads = max(1, available_cpus() // jobs)
     workers = []
-    for _ in range(min(jobs, n)):
-        here, there = ctx.Pipe()
-        p = ctx.Process(target=_worker, args=(there, work, threads), daemon=True)
-        p.start()
-        there.close()
-        workers.append([p, here, None])  # process, connection, chunk it is on
+    # The stop signals are held across each fork: a child stopped before it set its own handlers
+    # would otherwise run the parent's (zl-export's SIGTERM raises KeyboardInterrupt), and an
+    # exception raised just after fork() returns unwinds the child up through the parent's code
+    # (under pytest-xdist it finished the worker's session: "gw1 received keyboard-interrupt").
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        for _ in range(min(jobs, n)):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(there, work, threads, held), daemon=True)
+            p.start()
+            there.close()
+            workers.append([p, here, None])  # process, connection, chunk it is on
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     results: dict[int, object] = {}
     pending = list(range(n))
     finished = False
@@ -86,7 +96,7 @@ def run_chunk_jobs(n: int, work, jobs: int, say) -> list:
                 if conn in ready or conn.poll():
                     try:
                         kind, value = conn.recv()
-                    except EOFError:
+                    except (EOFError, OSError):  # its end closed, or reset with bytes unread
                         kind, value = "died", None
                     if kind == "say":
                         say(value)
@@ -118,7 +128,10 @@ def run_chunk_jobs(n: int, work, jobs: int, say) -> list:
 def _assign(w, pending: list) -> None:
     w[2] = pending.pop(0) if pending else None
     if w[2] is not None:
-        w[1].send(w[2])
+        try:
+            w[1].send(w[2])
+        except OSError:  # it died before taking work (killed as it started): name it, not the pipe
+            raise _died(w[2], w[0]) from None
 
 
 def _died(k: int, p) -> ExportError:
@@ -127,13 +140,12 @@ def _died(k: int, p) -> ExportError:
                        "run again with --jobs 1 to export one chunk at a time")
 
 
-def _worker(conn, work, threads: int) -> None:
-    import signal
-
+def _worker(conn, work, threads: int, mask) -> None:
     import torch
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the parent, which ends the workers
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)  # a SIGTERM held since the fork ends it here
     torch.set_num_threads(threads)
     while True:
         try:

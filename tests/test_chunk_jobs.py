@@ -115,3 +115,34 @@ def test_cli_refuses_a_bad_jobs_value(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--jobs '0' is not a positive number" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+_STOP_CHILD_AT_FORK = []  # os.register_at_fork cannot be undone: the hook acts only while this holds a pid
+
+
+def _stop_the_child_at_fork():
+    if _STOP_CHILD_AT_FORK:
+        os.kill(os.getpid(), signal.SIGTERM)  # the earliest a parent's SIGTERM can reach a new worker
+
+
+os.register_at_fork(after_in_child=_stop_the_child_at_fork)
+
+
+def test_a_worker_stopped_as_it_starts_never_runs_the_parents_handler():
+    # zl-export's SIGTERM handler raises KeyboardInterrupt; in a child stopped before it set its own,
+    # that unwound the child through the parent's code (under xdist: a second pytest session)
+    parent = os.getpid()
+
+    def parents_handler(signum, frame):
+        if os.getpid() != parent:
+            os._exit(77)  # the child ran the parent's handler
+
+    previous = signal.signal(signal.SIGTERM, parents_handler)
+    _STOP_CHILD_AT_FORK.append(parent)
+    try:
+        with pytest.raises(ExportError, match=r"chunk 0: its export worker died \(exit code -15"):
+            chunk_jobs.run_chunk_jobs(2, lambda k, say: k, 2, lambda m: None)
+    finally:
+        _STOP_CHILD_AT_FORK.clear()
+        signal.signal(signal.SIGTERM, previous)
+    assert multiprocessing.active_children() == []

@@ -186,8 +186,11 @@ def test_rate_mbit_option_gives_the_device_its_limiter(tmp_path, monkeypatch):
     limiter = seen["device"].limiter
     assert isinstance(limiter, RateLimiter) and limiter.rate == RATE
     seen.clear()
+    handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
     assert phone.main(["--name", "rl", "--workdir", str(tmp_path), "--mdns", "none"]) == 0
     assert seen["device"].limiter is None
+    # its caller's handlers come back (a forked export worker inherited the phone's SIGTERM once)
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == handlers
 
 
 def test_link_delay_hands_frames_on_later_without_slowing_the_link():

@@ -88,13 +88,22 @@ def build_parser():
 def main(argv=None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
+    previous = {}
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C ends the phone cleanly even when a shell started it with SIGINT ignored (a
-        # background job of a script), which Python would otherwise keep
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        # SIGTERM (how zl-host emulate stops a phone) ends it as cleanly as Ctrl-C: the finally
-        # below withdraws the mDNS advertisement (goodbye packets) instead of leaving it cached
-        signal.signal(signal.SIGTERM, _terminate)
+        # background job of a script), which Python would otherwise keep; SIGTERM (how zl-host
+        # emulate stops a phone) ends it as cleanly as Ctrl-C: the finally below withdraws the mDNS
+        # advertisement (goodbye packets) instead of leaving it cached
+        previous = {s: signal.signal(s, h) for s, h in ((signal.SIGINT, signal.default_int_handler),
+                                                         (signal.SIGTERM, _terminate))}
+    try:
+        return _run(a, parser)
+    finally:  # a caller in the same process (a test, an app embedding the phone) gets its own back
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+def _run(a, parser) -> int:
     from .mdns import InstanceNameError, check_instance_name
 
     try:
