@@ -55,7 +55,9 @@ from .model_source import (
 from .training_metadata import training_constant_methods
 from .two_phase import split_at_marker
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+# chat_template.jinja: transformers 5 keeps an instruct model's template there, not in tokenizer_config.json
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "chat_template.jinja", "chat_template.json")
 
 
 @dataclass

@@ -109,3 +109,21 @@ def test_wordnet_chat_conversations_train_on_the_word_only():
     for r, enc in zip(rows, encode_examples(rows, tok, 256)):
         assert masked_text(tok, enc) == tok.decode(tok(r["messages"][2]["content"], add_special_tokens=False)
                                                    ["input_ids"] + [tok.eos_token_id])
+
+
+def test_an_export_carries_the_models_chat_template(small_model_dir, tmp_path):
+    # transformers 5 saves an instruct model's template as chat_template.jinja beside the tokenizer:
+    # the export keeps it, so training and eval render chats as the model was taught, model dir gone
+    import shutil
+
+    from exporter.export import export_model
+    from host.run_data import export_tokenizer
+
+    from .conftest import small_export_config
+
+    model = tmp_path / "model"
+    shutil.copytree(small_model_dir, model)
+    (model / "chat_template.jinja").write_text(CHATML)
+    manifest, _ = export_model(str(model), "0-2", tmp_path / "out", small_export_config(readout="static"))
+    shutil.rmtree(model)
+    assert export_tokenizer(tmp_path / "out", manifest).chat_template == CHATML
