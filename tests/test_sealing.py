@@ -123,33 +123,44 @@ def _fix_crcs(frame: bytearray) -> bytes:
 
 
 class OnPathProxy:
-    """Relays frames between a host and a phone; in the host->phone direction it applies `action`
-    to frame number `at` (0 and 1 are AUTH_REQUEST and AUTH_RESPONSE: `at` >= 2 is sealed).
+    """Relays frames between a host (or an upstream stage) and a phone; in the host->phone direction
+    of the first connection it applies `action` to frame number `at` (0 and 1 are AUTH_REQUEST and
+    AUTH_RESPONSE: `at` >= 2 is sealed); later connections (a link reconnecting) pass untouched.
     flip: one body byte flipped and both CRCs recomputed (what an attacker does); drop; replay
-    (sent twice); reorder (frames at and at+1 swapped). It records what the phone sends back."""
+    (sent twice); reorder (frames at and at+1 swapped). It records what the phone sends back on the
+    first connection, and counts the connections."""
 
     def __init__(self, target: tuple[str, int], action: str | None, at: int = 2):
         self.target, self.action, self.at = target, action, at
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.from_phone: list[bytes] = []
+        self.connections = 0
         self.threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self):
-        host, _ = self.listener.accept()
-        phone = socket.create_connection(self.target)
-        for fn in (self._up, self._down):
-            t = threading.Thread(target=fn, args=(host, phone), daemon=True)
-            t.start()
-            self.threads.append(t)
+        while True:
+            try:
+                host, _ = self.listener.accept()
+                phone = socket.create_connection(self.target)
+            except OSError:
+                return
+            first = self.connections == 0
+            self.connections += 1
+            for fn in (self._up, self._down):
+                t = threading.Thread(target=fn, args=(host, phone, first), daemon=True)
+                t.start()
+                self.threads.append(t)
 
-    def _up(self, host, phone):
-        n, held = 0, None
+    def _up(self, host, phone, first=True):
+        n, held = (0 if first else -1), None  # -1: nothing to do on a later connection
         try:
             while (f := _read_frame(host)) is not None:
                 out = [f]
-                if n == self.at and self.action == "flip":
+                if n < 0:
+                    pass
+                elif n == self.at and self.action == "flip":
                     b = bytearray(f)
                     b[16 + 8] ^= 0x01
                     out = [_fix_crcs(b)]
@@ -163,7 +174,7 @@ class OnPathProxy:
                     out = [f, held]
                 for x in out:
                     phone.sendall(x)
-                n += 1
+                n += n >= 0
         except OSError:
             pass
         finally:
@@ -172,10 +183,11 @@ class OnPathProxy:
             except OSError:
                 pass
 
-    def _down(self, host, phone):
+    def _down(self, host, phone, first=True):
         try:
             while (f := _read_frame(phone)) is not None:
-                self.from_phone.append(f)
+                if first:
+                    self.from_phone.append(f)
                 host.sendall(f)
         except OSError:
             pass
@@ -338,6 +350,52 @@ def test_a_version_1_device_is_refused_by_the_host():
     with pytest.raises(ProtocolError) as e:
         hs.on_challenge(Message(MsgType.AUTH_CHALLENGE, {"device_nonce": "ab" * 32, "device_name": "old"}))
     assert e.value.code == ErrorCode.BAD_VERSION and "protocol version 1" in str(e.value)
+
+
+# ---- on the path between two stages ---------------------------------------------------------
+
+def test_a_frame_forged_between_two_stages_is_refused_and_the_run_ends_as_untouched(small_export, tmp_path, monkeypatch):
+    """The attacker sits on the stage 0 -> stage 1 link (PROTOCOL.md 6.1: a stage link is sealed as
+    a host session is, the upstream as host) and flips a byte of the second HIDDEN_STATE: stage 1
+    answers with one ERROR and closes, acting on nothing in it; stage 0 reconnects (5.4.1) and
+    replays from where stage 1 stands, so the run ends with the untouched run's LoRA, bit for bit."""
+    import numpy as np
+
+    from host.coordinator import Coordinator
+    from host.plan import RunSettings
+    from tests.conftest import run_pipeline, small_micro_batches
+
+    out = small_export[0]
+    mbs = small_micro_batches(out, n_examples=4)
+
+    def settings():
+        return RunSettings(windows=2, window_size=2, lr=2e-2, inflight_depth=2)
+
+    base, base_records = run_pipeline(out, tmp_path / "untouched", settings(), mbs)
+    proxies: list[OnPathProxy] = []
+    address = Coordinator._address
+
+    def through_the_attacker(self, up, down):
+        real = address(self, up, down)
+        if up is None or up.k != 0:
+            return real
+        host, port = real.rsplit(":", 1)
+        proxies.append(OnPathProxy((host, int(port)), "flip", at=3))  # 2: the first HIDDEN_STATE
+        return f"127.0.0.1:{proxies[-1].port}"
+
+    monkeypatch.setattr(Coordinator, "_address", through_the_attacker)
+    result, records = run_pipeline(out, tmp_path / "attacked", settings(), mbs)
+    [proxy] = proxies
+    assert proxy.connections >= 2  # stage 0 came back after the forged frame ended the first link
+    sent = proxy.from_phone  # what stage 1 sent on the attacked connection: its last frame the ERROR
+    assert sent[-1][5] == MsgType.ERROR and sent[-1][6] == 0x01  # sealed, in its own direction
+    assert [f[5] for f in sent].count(MsgType.ERROR) == 1
+    assert all(np.array_equal(result["lora"][n], base["lora"][n]) for n in base["lora"])
+
+    def commits(rs):
+        return sorted((r["stage"], r["window"]) for r in rs if r["type"] == "CHECKPOINT_COMMITTED")
+
+    assert commits(records) == commits(base_records)  # each window once: nothing of the forged frame
 
 
 # ---- a passive capture of a short run ---------------------------------------------------------
