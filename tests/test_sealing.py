@@ -405,6 +405,8 @@ class LoopbackCapture:
 
     def __init__(self):
         self.sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.ntohs(0x0003))
+        # a deep buffer: under load the reader thread lags, and a dropped segment would hide a leak
+        self.sock.setsockopt(socket.SOL_SOCKET, 33, 64 << 20)  # SO_RCVBUFFORCE (root)
         self.sock.bind(("lo", 0))
         self.sock.settimeout(0.2)
         self.segments: list[tuple[int, int, bytes]] = []
@@ -427,32 +429,13 @@ class LoopbackCapture:
             if len(pkt) > tcp + doff:
                 self.segments.append((sport, dport, pkt[tcp + doff:]))
 
-    def close(self):
+    def close(self) -> int:
+        """Stop; the number of packets the kernel dropped for want of buffer (PACKET_STATISTICS)."""
         self.stop = True
         self.t.join()
+        _, drops = struct.unpack("II", self.sock.getsockopt(263, 6, 8))  # SOL_PACKET, PACKET_STATISTICS
         self.sock.close()
-
-
-def _listening_ports(pids: list[int]) -> set[int]:
-    """TCP ports the given processes listen on (their sockets' inodes in /proc/net/tcp)."""
-    inodes = set()
-    for pid in pids:
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    link = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith("socket:["):
-                    inodes.add(link[8:-1])
-        except OSError:
-            continue
-    ports = set()
-    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
-        f = line.split()
-        if f[3] == "0A" and f[9] in inodes:  # LISTEN
-            ports.add(int(f[1].split(":")[1], 16))
-    return ports
+        return drops
 
 
 def _float_run(data: bytes, run: int = 24) -> bool:
@@ -469,54 +452,58 @@ def _float_run(data: bytes, run: int = 24) -> bool:
     return False
 
 
-def _captured_run(small_export, root: Path, unsealed: bool):
+def _captured_run(small_export, root: Path, unsealed: bool, monkeypatch):
+    from host.coordinator import Coordinator
     from host.plan import RunSettings
     from tests.conftest import run_pipeline, small_micro_batches
 
     out, _, _, _ = small_export
     mbs = small_micro_batches(out, n_examples=2)
     settings = RunSettings(windows=1, window_size=1, lr=2e-2, inflight_depth=2)
-    old = os.environ.get(S.BENCH_ENV)
-    if unsealed:  # the benchmark switch: phones inherit it, so both ends go unsealed
-        os.environ[S.BENCH_ENV] = "1"
     phones: list = []
-    ports: set[int] = set()
-    cap = LoopbackCapture()
-    stop = threading.Event()
+    data_ports: set[int] = set()  # every stage data port the host hands out, as it hands it out
+    address = Coordinator._address
 
-    def watch():  # the phones' ports (host and stage data ports) as they open
-        while not stop.is_set():
-            ports.update(_listening_ports([p.pid for p in phones if p.pid]))
-            time.sleep(0.2)
+    def recorded(self, up, down):
+        real = address(self, up, down)
+        data_ports.add(int(real.rsplit(":", 1)[1]))
+        return real
 
-    w = threading.Thread(target=watch, daemon=True)
-    w.start()
-    try:
-        run_pipeline(out, root, settings, mbs, phones_out=phones)
-    finally:
-        stop.set()
-        w.join()
-        cap.close()
-        if old is None:
-            os.environ.pop(S.BENCH_ENV, None)
-        else:
-            os.environ[S.BENCH_ENV] = old
-    stream = b"".join(p for s, d, p in cap.segments if s in ports or d in ports)
+    with monkeypatch.context() as m:
+        m.setattr(Coordinator, "_address", recorded)
+        if unsealed:  # the benchmark switch: phones inherit it, so both ends go unsealed
+            m.setenv(S.BENCH_ENV, "1")
+        cap = LoopbackCapture()
+        try:
+            run_pipeline(out, root, settings, mbs, phones_out=phones)
+        finally:
+            drops = cap.close()
+    assert drops == 0, f"the capture lost {drops} packets"
+    ports = data_ports | {p.port for p in phones}
+    flows: dict[tuple[int, int], list[bytes]] = {}  # one byte stream per direction of each connection
+    for s, d, p in cap.segments:
+        if s in ports or d in ports:
+            flows.setdefault((s, d), []).append(p)
+    stream = b"\n--\n".join(b"".join(f) for f in flows.values())
     return mbs, stream, ports
 
 
 def _token_needles(mbs) -> list[bytes]:
-    ids = np.asarray(mbs[0]["input_ids"])[0][:8]
-    return [ids.astype("<i8").tobytes(), ids.astype("<i4").tobytes()]
+    """The first 8 token ids of every micro-batch's rows, as int64 and as int32."""
+    needles = []
+    for mb in mbs:
+        for row in np.asarray(mb["input_ids"]):
+            needles += [row[:8].astype("<i8").tobytes(), row[:8].astype("<i4").tobytes()]
+    return needles
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="a loopback capture needs root (AF_PACKET)")
-def test_passive_capture_of_a_run_shows_no_tokens_and_no_hidden_states(small_export, tmp_path):
-    mbs, sealed, ports = _captured_run(small_export, tmp_path / "sealed", unsealed=False)
-    assert len(ports) >= 4 and len(sealed) > 100_000  # 3 host ports and the stage data ports were seen
+def test_passive_capture_of_a_run_shows_no_tokens_and_no_hidden_states(small_export, tmp_path, monkeypatch):
+    mbs, sealed, ports = _captured_run(small_export, tmp_path / "sealed", unsealed=False, monkeypatch=monkeypatch)
+    assert len(ports) == 6 and len(sealed) > 100_000  # 3 host ports and 3 stage data ports
     assert not any(n in sealed for n in _token_needles(mbs))
     assert not _float_run(sealed)
     # the control, with the benchmark switch: the same capture does show them, so the test can see
-    mbs, plain, _ = _captured_run(small_export, tmp_path / "plain", unsealed=True)
+    mbs, plain, _ = _captured_run(small_export, tmp_path / "plain", unsealed=True, monkeypatch=monkeypatch)
     assert any(n in plain for n in _token_needles(mbs))
     assert _float_run(plain)
