@@ -12,7 +12,8 @@ from __future__ import annotations
 import secrets
 import threading
 
-from zl_mobile.links import InboundLink, InboundQueue
+from zl_mobile.link_rules import InboundQueue
+from zl_mobile.links import InboundLink
 
 
 class CalibrationSink:

@@ -1,284 +1,124 @@
-"""The link rules of docs/PROTOCOL.md 5.4.1, checked on the Python reference (zl_mobile/links.py)
-against the scenarios of tests/vectors/link_rules/link_rules.json. The Kotlin core passes the same
-file (kotlin_app/core/src/test/kotlin/org/zerolock/core/LinkRulesTest.kt), so both sides keep the
+"""The link rules of docs/PROTOCOL.md 5.4.1 on the pure classes of zl_mobile/link_rules.py (no
+sockets, no link threads), against the scenarios of tests/vectors/link_rules/link_rules.json. The
+Kotlin core runs the same file on its own pure classes (LinkRulesTest.kt), so both sides keep the
 same replay buffer, resume point, credits and horizon (backpressure) rules, and refuse the same
-hidden states (beyond the credits, or unusable by the stage).
-
-The Python links are driven over loopback TCP with only their public surface: the test plays the
-downstream stage of an OutboundLink (accepts it, sends REPLAY_REQUEST / CREDIT /
-CHECKPOINT_COMMITTED, reads the HIDDEN_STATE frames), and the upstream of an InboundLink.
-"""
+hidden states (beyond the credits, or unusable by the stage). The TCP layer around these rules
+(zl_mobile/links.py) has its loopback tests in tests/test_links_tcp.py."""
 from __future__ import annotations
 
 import json
-import socket
-import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from zl_mobile.links import LINK_MAX_CONNECTIONS, NO_END, InboundLink, InboundQueue, OutboundLink, unusable_reason
-from zl_mobile.protocol import (
-    ConnectionClosed,
-    DeviceAuth,
-    ErrorCode,
-    Message,
-    MsgType,
-    ProtocolError,
-    device_handshake,
-    host_handshake,
-    new_token,
-    recv_message,
-    send_message,
+from zl_mobile.link_rules import (
+    LINK_MAX_CONNECTIONS,
+    NO_END,
+    InboundCredits,
+    InboundQueue,
+    OutboundLinkState,
+    initial_credit,
+    unusable_message,
+    unusable_reason,
 )
 
 VECTORS = json.loads((Path(__file__).parent / "vectors" / "link_rules" / "link_rules.json").read_text())
-TIMEOUT = 10.0
 
 
-def _hidden(mb: int, window_size: int) -> Message:
-    return Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": mb // window_size},
-                   {"h": np.full((1, 2), mb, dtype=np.float32)})
-
-
-def _wait(what: str, cond) -> None:
-    end = time.time() + TIMEOUT
-    while not cond():
-        if time.time() > end:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.005)
-
-
-class FakeDownstream:
-    """The downstream end of one OutboundLink: a listening socket that plays the device side of
-    the link handshake and then speaks the link messages the scenario asks for."""
-
-    def __init__(self, token: str):
-        self.auth = DeviceAuth(token, "fake-downstream")
-        self.server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.server.bind(("127.0.0.1", 0))
-        self.server.listen(4)
-        self.server.settimeout(TIMEOUT)
-        self.address = f"127.0.0.1:{self.server.getsockname()[1]}"
-        self.sock: socket.socket | None = None
-        self.hs = None
-        self.pending: socket.socket | None = None
-
-    def connect(self) -> None:
-        sock = self.pending or self.server.accept()[0]
-        self.pending = None
-        sock.settimeout(TIMEOUT)
-        hello = Message(MsgType.HELLO, {"name": "fake-downstream", "protocol_version": 1, "runtime_version": "test",
-                                        "memory_bytes": 0, "capabilities": ["link"]})
-        self.hs = device_handshake(sock, self.auth, hello)
-        self.sock = sock
-
-    def disconnect(self) -> None:
-        """Drop the connection and wait until the link has noticed (it reconnects at once: its
-        TCP connect is accepted here, its handshake runs at the next `connect`)."""
-        self.quiet()
-        self.sock.close()
-        self.hs.close()
-        self.sock = None
-        self.pending = self.server.accept()[0]
-
-    def send(self, msg: Message) -> None:
-        send_message(self.sock, msg)
-
-    def read_sent(self, n: int) -> list[int]:
-        out = []
-        for _ in range(n):
-            msg = recv_message(self.sock)
-            assert msg.type == MsgType.HIDDEN_STATE, msg
-            assert float(np.asarray(msg.tensors["h"]).ravel()[0]) == msg["micro_batch"]
-            out.append(msg["micro_batch"])
-        return out
-
-    def quiet(self) -> None:
-        """Nothing more was sent than the scenario expected."""
-        self.sock.settimeout(0.2)
-        try:
-            extra = recv_message(self.sock)
-            pytest.fail(f"the link sent more than expected: {extra}")
-        except (socket.timeout, TimeoutError):
-            pass
-        finally:
-            self.sock.settimeout(TIMEOUT)
-
-    def close(self) -> None:
-        for s in (self.sock, self.pending, self.server):
-            if s is not None:
-                s.close()
+def _hidden(mb: int) -> dict:
+    return {"micro_batch": mb, "h": f"h{mb}"}
 
 
 @pytest.mark.parametrize("scenario", VECTORS["outbound"], ids=[s["name"] for s in VECTORS["outbound"]])
-def test_outbound_link(scenario):
-    token = new_token()
-    errors: list[str] = []
-    down = FakeDownstream(token)
-    W = scenario["window_size"]
-    link = OutboundLink(scenario["link"], token, window_size=W, replay_horizon=scenario["replay_horizon"],
-                        on_error=errors.append, prune_on_commit=scenario.get("prune_on_commit", True))
-    link.set_address(down.address)
-    expected_errors = []
-    try:
-        for i, step in enumerate(scenario["steps"]):
-            where = f"{scenario['name']}, step {i} {step}"
-            op = step["do"]
-            if op == "publish":
-                for mb in step["mb"]:
-                    link.publish(_hidden(mb, W))
-            elif op == "connect":
-                down.connect()
-            elif op == "disconnect":
-                down.disconnect()
-            elif op == "replay_request":
-                down.send(Message(MsgType.REPLAY_REQUEST, {"from_micro_batch": step["from"], "to_micro_batch": NO_END}))
-            elif op == "credit":
-                down.send(Message(MsgType.CREDIT, {"credits": step["n"]}))
-            elif op == "committed":
-                down.send(Message(MsgType.CHECKPOINT_COMMITTED, {"window": step["window"],
-                                                                 "step": min(step["window"] + 1, 2**63 - 1),
-                                                                 "sha256": "0" * 64}))
-            else:
-                pytest.fail(f"unknown step in {where}")
-            if step.get("sent"):
-                assert down.read_sent(len(step["sent"])) == step["sent"], where
-            if "refused" in step:  # ERROR UNEXPECTED with the rule's words, then the link drops
-                err = recv_message(down.sock)
-                assert err.type == MsgType.ERROR and err["code"] == "UNEXPECTED", where
-                assert err["message"] == step["refused"], where
-                with pytest.raises((ConnectionClosed, ConnectionResetError)):
-                    recv_message(down.sock)
-                down.sock.close()
-                down.hs.close()
-                down.sock = None
-            if "error" in step:
-                expected_errors.append(step["error"])
-                _wait(f"the error of {where}", lambda: len(errors) >= len(expected_errors))
-                assert errors == expected_errors, where
-            if "buffered" in step:
-                want = step["buffered"]
-                _wait(f"buffered == {want} ({where}; have {link.buffered()})", lambda: link.buffered() == want)
-            if "full" in step:
-                assert link.full() == step["full"], where
-        if down.sock is not None:
-            down.quiet()
-        assert errors == expected_errors
-    finally:
-        link.close()
-        down.close()
+def test_outbound_link_state(scenario):
+    link = OutboundLinkState(scenario["link"], window_size=scenario["window_size"], replay_horizon=scenario["replay_horizon"],
+                             prune_on_commit=scenario.get("prune_on_commit", True))
+    for i, step in enumerate(scenario["steps"]):
+        where = f"{scenario['name']}, step {i} {step}"
+        op = step["do"]
+        error = refused = None
+        if op == "publish":
+            for mb in step["mb"]:
+                link.publish(mb, _hidden(mb))
+        elif op == "connect":
+            link.connected()
+        elif op == "disconnect":
+            link.disconnected()
+        elif op == "replay_request":
+            error = link.on_replay_request(step["from"])
+        elif op == "credit":
+            link.on_credit(step["n"])
+        elif op == "committed":
+            refused = link.on_committed(step["window"])
+        else:
+            pytest.fail(f"unknown step in {where}")
+        sent = []  # the link sends whatever the rules allow, as soon as they allow it
+        while (taken := link.take_next()) is not None:
+            assert taken[1] == _hidden(taken[0]), where
+            sent.append(taken[0])
+        assert sent == step.get("sent", []), where
+        assert error == step.get("error"), where
+        assert refused == step.get("refused"), where
+        if refused is not None:  # the link answers ERROR and drops the connection
+            link.disconnected()
+        if "buffered" in step:
+            assert link.buffered() == step["buffered"], where
+        if "full" in step:
+            assert link.full() == step["full"], where
 
 
 @pytest.mark.parametrize("case", VECTORS["inbound"]["greeting"], ids=[c["name"] for c in VECTORS["inbound"]["greeting"]])
-def test_inbound_link_greeting(case):
-    token = new_token()
-    W = case["window_size"]
+def test_inbound_greeting(case):
     queue = InboundQueue()
     for mb in case["queued"]:
-        queue.put(_hidden(mb, W))
-    resume = (case["committed_window"] + 1) * W
-    link = InboundLink("stage1-in", token, queue, inflight_depth=case["inflight_depth"],
-                       next_needed=lambda: queue.next_after(resume), port=0, bind="127.0.0.1")
-    try:
-        with socket.create_connection(("127.0.0.1", link.port), timeout=TIMEOUT) as s:
-            host_handshake(s, token, "upstream")
-            req = recv_message(s)
-            assert req.type == MsgType.REPLAY_REQUEST
-            assert (req["from_micro_batch"], req["to_micro_batch"]) == (case["replay_from"], VECTORS["no_end"])
-            if case["initial_credit"] is None:
-                s.settimeout(0.3)
-                with pytest.raises((socket.timeout, TimeoutError)):
-                    recv_message(s)
-            else:
-                credit = recv_message(s)
-                assert credit.type == MsgType.CREDIT and credit["credits"] == case["initial_credit"]
-    finally:
-        link.close()
-
-
-class Upstream:
-    """The upstream end of one InboundLink connection: authenticates with the link's token (BUSY
-    while the previous connection's slot is still being freed), reads the greeting."""
-
-    def __init__(self, port: int, token: str):
-        end = time.time() + TIMEOUT
-        while True:
-            self.sock = socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT)
-            try:
-                host_handshake(self.sock, token, "upstream")
-                break
-            except ProtocolError as e:
-                self.sock.close()
-                if e.code != ErrorCode.BUSY or time.time() > end:
-                    raise
-                time.sleep(0.02)
-        assert recv_message(self.sock).type == MsgType.REPLAY_REQUEST
-
-    def credit(self) -> int | None:
-        """The CREDIT the link sends next (None: it sends nothing)."""
-        self.sock.settimeout(0.3)
-        try:
-            msg = recv_message(self.sock)
-        except (socket.timeout, TimeoutError):
-            return None
-        finally:
-            self.sock.settimeout(TIMEOUT)
-        assert msg.type == MsgType.CREDIT, msg
-        return msg["credits"]
+        queue.put(_hidden(mb))
+    resume = (case["committed_window"] + 1) * case["window_size"]
+    assert queue.next_after(resume) == case["replay_from"]
+    assert initial_credit(case["inflight_depth"], len(queue)) == case["initial_credit"]
 
 
 @pytest.mark.parametrize("scenario", VECTORS["inbound"]["credits"], ids=[s["name"] for s in VECTORS["inbound"]["credits"]])
-def test_inbound_link_credits(scenario):
-    """PROTOCOL.md 5.4.1 on the real InboundLink: a HIDDEN_STATE beyond the credits, or one the stage
-    cannot use (unusable_reason, what Stage checks), is answered ERROR UNEXPECTED, is not kept, and
-    the link closes."""
-    token = new_token()
-    W, depth, total = scenario["window_size"], scenario["inflight_depth"], scenario["total_micro_batches"]
+def test_inbound_credits(scenario):
+    """A HIDDEN_STATE beyond the credits of its connection, or one the stage cannot use, is refused
+    and not kept, and the connection ends; a new one starts with the greeting's credit."""
+    W, depth, total, name = (scenario["window_size"], scenario["inflight_depth"], scenario["total_micro_batches"],
+                             scenario["link"])
     queue = InboundQueue()
-    stage = {"next": (scenario["committed_window"] + 1) * W}  # the micro-batch the stage needs next
-    link = InboundLink(scenario["link"], token, queue, inflight_depth=depth, port=0, bind="127.0.0.1",
-                       next_needed=lambda: queue.next_after(stage["next"]),
-                       unusable=lambda msg: unusable_reason(msg["micro_batch"], msg["window"], stage["next"],
-                                                            inflight_depth=depth, window_size=W, total=total))
-    up: Upstream | None = None
-    try:
-        for i, step in enumerate(scenario["steps"]):
-            where = f"{scenario['name']}, step {i} {step}"
-            op = step["do"]
-            if op == "connect":
-                if up is not None:
-                    up.sock.close()
-                up = Upstream(link.port, token)
-                assert up.credit() == step["credit"], where
-            elif op == "send":
-                mb = step["mb"]
-                send_message(up.sock, Message(MsgType.HIDDEN_STATE, {"micro_batch": mb, "window": step.get("window", mb // W)},
-                                              {"h": np.full((1, 2), mb, dtype=np.float32)}))
-                if "refused" in step:
-                    err = recv_message(up.sock)
-                    assert err.type == MsgType.ERROR and err["code"] == "UNEXPECTED", (where, err)
-                    assert err["message"] == step["refused"], where
-                    with pytest.raises((ConnectionClosed, ConnectionResetError)):
-                        recv_message(up.sock)
-                    up.sock.close()
-                    up = None
-            elif op == "take":
-                assert queue.take(step["mb"], timeout=TIMEOUT)["micro_batch"] == step["mb"], where
-                stage["next"] = step["mb"] + 1  # as the stage: its next before the credit goes out
-                link.grant(1)
-                assert up.credit() == step["credit"], where
+    next_mb = (scenario["committed_window"] + 1) * W  # the micro-batch the stage needs next
+    credits: InboundCredits | None = None  # the current connection's (None: no upstream connected)
+    for i, step in enumerate(scenario["steps"]):
+        where = f"{scenario['name']}, step {i} {step}"
+        op = step["do"]
+        if op == "connect":
+            credits = InboundCredits(name)
+            first = initial_credit(depth, len(queue))
+            if first is not None:
+                credits.grant(first)
+            assert first == step["credit"], where
+        elif op == "send":
+            mb = step["mb"]
+            refused = credits.spend(mb)
+            if refused is None:
+                why = unusable_reason(mb, step.get("window", mb // W), next_mb, inflight_depth=depth, window_size=W, total=total)
+                refused = None if why is None else unusable_message(mb, name, why)
+            assert refused == step.get("refused"), where
+            if refused is None:
+                queue.put(_hidden(mb))
             else:
-                pytest.fail(f"unknown step in {where}")
-            if "queued" in step:
-                _wait(f"queued == {step['queued']} ({where}; have {queue.ids()})", lambda: queue.ids() == step["queued"])
-        if up is not None:  # nothing refused that the scenario did not expect
-            assert up.credit() is None
-    finally:
-        if up is not None:
-            up.sock.close()
-        link.close()
+                credits = None  # the link closes
+        elif op == "take":
+            mb = step["mb"]
+            assert queue.take(mb, timeout=0)["micro_batch"] == mb, where
+            next_mb = mb + 1  # as the stage: its next moves before the credit goes out
+            sent = None
+            if credits is not None:
+                credits.grant(1)
+                sent = 1
+            assert sent == step["credit"], where
+        else:
+            pytest.fail(f"unknown step in {where}")
+        if "queued" in step:
+            assert queue.ids() == step["queued"], where
 
 
 def test_inbound_queue_steps():
@@ -286,9 +126,9 @@ def test_inbound_queue_steps():
     for step in VECTORS["inbound"]["queue"]:
         op, mb = step["do"], step["mb"]
         if op == "put":
-            queue.put(_hidden(mb, 4))
+            queue.put(_hidden(mb))
         elif op == "take":
-            assert queue.take(mb, timeout=TIMEOUT)["micro_batch"] == step["took"], step
+            assert queue.take(mb, timeout=0)["micro_batch"] == step["took"], step
             assert len(queue) == step["left"], step
         elif op == "next_after":
             assert queue.next_after(mb) == step["next"], step
@@ -304,60 +144,17 @@ def test_the_data_port_cap_is_the_vectors():
     assert LINK_MAX_CONNECTIONS == VECTORS["max_connections"]
 
 
-def _held(socks: list[socket.socket], closed: set[int], want: int) -> int:
-    """How many of `socks` the link still holds open, once `want` of them are (or 3 s have passed),
-    with 0.3 s more for any late close: a closed one reads EOF (or a reset)."""
-    def probe() -> None:
-        for i, s in enumerate(socks):
-            if i in closed:
-                continue
-            s.settimeout(0.0)
-            try:
-                if s.recv(1) == b"":
-                    closed.add(i)
-            except (BlockingIOError, InterruptedError):
-                pass
-            except OSError:
-                closed.add(i)
-    end = time.time() + 3.0
-    while True:
-        probe()
-        if len(socks) - len(closed) <= want or time.time() > end:
-            break
-        time.sleep(0.02)
-    time.sleep(0.3)
-    probe()
-    return len(socks) - len(closed)
-
-
-@pytest.mark.parametrize("scenario", VECTORS["inbound"]["connections"],
-                         ids=[s["name"] for s in VECTORS["inbound"]["connections"]])
-def test_inbound_link_connection_cap(scenario):
-    """PROTOCOL.md 6 on the real InboundLink: its data port holds at most max_connections; at the cap
-    the oldest unauthenticated connection gives way, so idle sockets never keep the upstream out."""
-    token = new_token()
-    queue = InboundQueue()
-    link = InboundLink(scenario["link"], token, queue, inflight_depth=2, port=0, bind="127.0.0.1",
-                       next_needed=lambda: queue.next_after(0), max_connections=scenario["max_connections"])
-    idle: list[socket.socket] = []
-    closed: set[int] = set()
-    up: Upstream | None = None
-    try:
-        for i, step in enumerate(scenario["steps"]):
-            where = f"{scenario['name']}, step {i} {step}"
-            if step["do"] == "idle":
-                for _ in range(step["n"]):
-                    idle.append(socket.create_connection(("127.0.0.1", link.port), timeout=TIMEOUT))
-            elif step["do"] == "connect":
-                up = Upstream(link.port, token)
-            else:
-                pytest.fail(f"unknown step in {where}")
-            assert _held(idle, closed, step["held"]) == step["held"], where
-        if up is not None:  # the authenticated upstream was never the one to give way
-            assert up.credit() == 2
-    finally:
-        for s in idle:
-            s.close()
-        if up is not None:
-            up.sock.close()
-        link.close()
+def test_the_host_feed_holds_nothing_and_serves_any_replay():
+    """The feed into stage 0 builds each input when it is sent: any replay is served, commits
+    prune nothing and are never refused, and it stops at the run's end."""
+    feed = OutboundLinkState("host-feed", window_size=2, replay_horizon=4, feed=True, feed_total=5)
+    feed.connected()
+    assert feed.on_replay_request(3) is None
+    feed.on_credit(10)
+    assert [feed.take_next() for _ in range(3)] == [(3, None), (4, None), None]
+    assert feed.on_committed(40) is None and feed.downstream_committed == 40
+    feed.connected()
+    assert feed.on_replay_request(0) is None  # a global rollback: from the start again
+    assert feed.take_next() is None  # no credit yet on the new connection
+    feed.on_credit(1)
+    assert feed.take_next() == (0, None)

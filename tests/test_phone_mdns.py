@@ -197,7 +197,8 @@ def test_link_delay_hands_frames_on_later_without_slowing_the_link():
     """--link-delay-ms: every frame a phone's links receive reaches it that much after it arrived:
     hidden states downstream; credits, replay requests and BP gradients upstream. Frames in flight
     are delayed together, not one after another (latency, not rate)."""
-    from zl_mobile.links import DelayLine, InboundLink, InboundQueue, OutboundLink
+    from zl_mobile.link_rules import InboundQueue
+    from zl_mobile.links import DelayLine, InboundLink, OutboundLink
 
     token, q, grads = new_token(), InboundQueue(), []
     inbound = InboundLink("in", token, q, inflight_depth=4, next_needed=lambda: 0, bind="127.0.0.1",
@@ -237,7 +238,8 @@ def test_both_ends_of_a_stage_link_buffer_frames_in_the_kernel():
     import socket
 
     from zl_mobile.connection import tune_link_socket
-    from zl_mobile.links import InboundLink, InboundQueue, OutboundLink
+    from zl_mobile.link_rules import InboundQueue
+    from zl_mobile.links import InboundLink, OutboundLink
 
     token, q = new_token(), InboundQueue()
     inbound = InboundLink("in", token, q, inflight_depth=4, next_needed=lambda: 0, bind="127.0.0.1")
@@ -272,7 +274,8 @@ def test_link_delay_option_gives_the_device_its_delay_line(tmp_path, monkeypatch
 
 def test_rate_limited_hidden_state_link_is_shaped():
     """The limiter a phone gets from --rate-mbit shapes its outgoing hidden-state link."""
-    from zl_mobile.links import InboundLink, InboundQueue, OutboundLink
+    from zl_mobile.link_rules import InboundQueue
+    from zl_mobile.links import InboundLink, OutboundLink
 
     token = new_token()
     q = InboundQueue()

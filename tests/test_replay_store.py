@@ -3,8 +3,9 @@ serves from it over real loopback TCP: what was sent and not committed downstrea
 process; what cannot be served is an error naming it."""
 import numpy as np
 
-from tests.test_link_rules_vectors import FakeDownstream, _hidden, _wait
-from zl_mobile.links import NO_END, OutboundLink, replay_unavailable_message
+from tests.test_links_tcp import FakeDownstream, _hidden, _wait
+from zl_mobile.link_rules import NO_END, replay_unavailable_message
+from zl_mobile.links import OutboundLink
 from zl_mobile.protocol import Message, MsgType, new_token
 from zl_mobile.replay_store import ReplayStore
 

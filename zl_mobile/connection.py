@@ -18,7 +18,6 @@ class Connection:
         self.bytes_out = 0
         self.bytes_in = 0
         self.closed = False
-        self.credits = 0  # a stage's inbound link: HIDDEN_STATE frames the upstream may still send
 
     def send(self, msg: Message) -> int:
         with self._lock:

@@ -1,4 +1,6 @@
-"""Stage-to-stage hidden-state links.
+"""Stage-to-stage hidden-state links over TCP (PROTOCOL.md 5.4.1): the sockets, threads and
+handshakes around the link rules, which live apart in zl_mobile/link_rules.py (OutboundLinkState,
+InboundCredits, InboundQueue, as the Kotlin core's LinkRules.kt; its TCP twin is device/TcpLinks.kt).
 
 OutboundLink (upstream side, the TCP client): keeps every hidden state it produced in a replay
 buffer until the downstream stage has committed the window that used it, and sends them in
@@ -25,6 +27,16 @@ import threading
 import time
 
 from .connection import Connection, connect, tune_link_socket
+from .link_rules import (
+    LINK_MAX_CONNECTIONS,
+    NO_END,
+    STALL_S,
+    InboundCredits,
+    InboundQueue,
+    OutboundLinkState,
+    initial_credit,
+    unusable_message,
+)
 from .protocol import (
     DEFAULT_MAX_FRAME,
     PROTOCOL_VERSION,
@@ -41,10 +53,7 @@ from .protocol import (
 from .protocol.quoting import quote
 
 log = logging.getLogger("zl_mobile.links")
-NO_END = 2**53  # "to the end" in REPLAY_REQUEST
 HANDSHAKE_TIMEOUT_S = 10.0  # PROTOCOL.md 6: a link that does not authenticate in time is closed
-STALL_S = 10.0  # PROTOCOL.md 6: a frame begun with no byte for this long is a stall (TIMEOUT)
-LINK_MAX_CONNECTIONS = 64  # PROTOCOL.md 6: a data port's open connections, as the host port's default
 
 
 def bind_listener(bind: str, port: int) -> socket.socket:
@@ -59,14 +68,6 @@ def bind_listener(bind: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
-
-
-def link_frame_limit(data_elements: int) -> int:
-    """The largest frame a stage link needs: HIDDEN_STATE (or GRADIENT) carries the chunk's data
-    tensors, `data_elements` elements of at most 8 bytes, twice over for the extra tensors that
-    travel with them (labels), plus a full metadata part and the records' headers. A peer that
-    declares more is OVERSIZED before anything is allocated (PROTOCOL.md 2.1)."""
-    return min(DEFAULT_MAX_FRAME, 2 * 8 * data_elements + (1 << 20) + (64 << 10))
 
 
 class DelayLine:
@@ -105,54 +106,21 @@ def _now(deliver, msg) -> None:
     deliver(msg)
 
 
-def commit_beyond_sent_message(window: int, end: int, usable_below: int, name: str) -> str:
-    """Word for word in the Kotlin core (LinkRules.commitBeyondSentMessage)."""
-    return (f"CHECKPOINT_COMMITTED window {window} covers micro-batches up to {end - 1}, but {name} has sent "
-            f"only those below {usable_below} on this link: a downstream cannot commit what it never received; "
-            "nothing was pruned (fix the downstream's commit bookkeeping)")
-
-
-def hidden_state_without_credit_message(mb: int, name: str) -> str:
-    """Word for word in the Kotlin core (LinkRules.noCreditMessage)."""
-    return (f"HIDDEN_STATE for micro-batch {mb} on {name} with no credit left: an upstream sends one frame per "
-            "credit granted (PROTOCOL.md 5.4.1); it was not kept")
-
-
-def unusable_reason(mb: int, window: int, next_mb: int, *, inflight_depth: int, window_size: int,
-                    total: int | None) -> str | None:
-    """Why a stage whose next micro-batch is `next_mb` can never use HIDDEN_STATE `mb` labelled
-    `window` (None: it can); the link refuses it before it is kept (PROTOCOL.md 5.4.1). Word for
-    word in the Kotlin core (LinkRules.unusable)."""
-    if mb < next_mb:
-        return f"this stage is past it (it needs {next_mb} next)"
-    if mb >= next_mb + 2 * inflight_depth:
-        return f"beyond what the {inflight_depth} credits allow from micro-batch {next_mb}, the next this stage needs"
-    if total is not None and mb >= total:
-        return f"the run has {total} micro-batches"
-    if window != mb // window_size:
-        return f"labelled window {window}, but window size {window_size} puts it in window {mb // window_size}"
-    return None
-
-
-def replay_unavailable_message(start: int, end: int, name: str, held_from: int) -> str:
-    """Word for word in the Kotlin core (LinkRules.replayUnavailableMessage): the host shows it."""
-    return (f"replay unavailable: micro-batches {start}-{end} needed downstream of {name} are no longer held "
-            f"(it holds {held_from} onward); the downstream asked below what it had reported committed, "
-            "so its checkpoint or the upstream's replay files were lost: restore that stage's work dir "
-            "or start a new run")
-
-
 class OutboundLink:
+    """The upstream end of one link: an OutboundLinkState (the rules) driven by a link thread that
+    connects, sends what the credits allow, and a reader that applies what the downstream says."""
+
     def __init__(self, name: str, token: str, *, window_size: int, replay_horizon: int,
                  limiter=None, on_error=None, on_committed=None, on_gradient=None, prune_on_commit=True,
                  delay: DelayLine | None = None, store=None, first_mb: int = 0, source=None,
                  source_total: int | None = None, max_frame: int = DEFAULT_MAX_FRAME, stall_s: float | None = STALL_S):
-        if replay_horizon < 1:
-            raise ValueError(f"replay horizon must be >= 1, got {replay_horizon}")
         self.name = name
         self.token = token
+        # the host's feed: source(mb) rebuilds any input, so nothing is buffered and any replay is served
+        self.state = OutboundLinkState(name, window_size=window_size, replay_horizon=replay_horizon,
+                                       prune_on_commit=prune_on_commit, feed=source is not None, feed_total=source_total)
         self.window_size = window_size
-        self.replay_horizon = replay_horizon  # the most hidden states held: the producer waits beyond it
+        self.replay_horizon = replay_horizon
         self.limiter = limiter
         self.max_frame, self.stall_s = max_frame, stall_s  # what the downstream may send (GRADIENT at most)
         self.on_error = on_error or (lambda msg: log.error(msg))
@@ -160,35 +128,27 @@ class OutboundLink:
         self.on_gradient = on_gradient or (lambda msg: None)  # BP baselines: dL/dh_k from downstream
         self._deliver = delay or _now  # what downstream sends arrives after the link's latency, if emulated
         self.prune_on_commit = prune_on_commit
-        # the host's feed: source(mb) rebuilds any input, so nothing is buffered and any replay is served
         self.source = source
         self.source_total = source_total
         self.store = store  # ReplayStore: the buffer's on-disk copy, which outlives this process
         self._address: str | None = None
-        self._buffer: collections.OrderedDict[int, Message] = collections.OrderedDict()
-        # every micro-batch < this is not held (committed downstream, or before a restart's reload)
-        self._pruned_below = first_mb
-        if store is not None:
-            for msg in store.load(below=first_mb):
-                self._buffer[msg["micro_batch"]] = msg
-            if self._buffer:
-                self._pruned_below = next(iter(self._buffer))
-        self.peak_buffered = len(self._buffer)
-        self._next = None           # next micro-batch the downstream wants (None: not connected)
-        # what the downstream can have used, on this connection: below its REPLAY_REQUEST's start
-        # (committed or queued before), or sent on it. A CHECKPOINT_COMMITTED past this is a lie
-        self._usable_below = None
-        self._credits = 0
+        loaded = store.load(below=first_mb) if store is not None else []
+        self.state.restore([(msg["micro_batch"], msg) for msg in loaded], first_mb)
+        self.peak_buffered = self.state.held()
         self._cond = threading.Condition()
         self._send_lock = threading.Lock()
         self._stop = False
         self._conn: Connection | None = None
         self.bytes_sent = 0
         self.frames_sent = 0
-        self.downstream_committed = -1
         self.sent_at: dict[int, float] = {}
         self._thread = threading.Thread(target=self._run, name=f"out-{name}", daemon=True)
         self._thread.start()
+
+    @property
+    def downstream_committed(self) -> int:
+        with self._cond:
+            return self.state.downstream_committed
 
     # --- producer side
     def set_address(self, address: str | None) -> None:
@@ -201,24 +161,23 @@ class OutboundLink:
 
     def full(self) -> bool:
         with self._cond:
-            return len(self._buffer) >= self.replay_horizon
+            return self.state.full()
 
     def wait_for_room(self, stop: threading.Event | None = None) -> float:
         """Backpressure: block until the buffer holds fewer than `replay_horizon` hidden states
         (the downstream commits a window, and its hidden states go). Returns the seconds waited."""
         t0 = time.monotonic()
         with self._cond:
-            while len(self._buffer) >= self.replay_horizon and not self._stop and not (stop and stop.is_set()):
+            while self.state.full() and not self._stop and not (stop and stop.is_set()):
                 self._cond.wait(timeout=0.5)
         return time.monotonic() - t0
 
     def publish(self, msg: Message) -> None:
         """Hold `msg` for sending and replay. Never drops anything: the producer keeps within the
         horizon by calling wait_for_room first."""
-        mb = msg["micro_batch"]
         with self._cond:
-            self._buffer[mb] = msg
-            self.peak_buffered = max(self.peak_buffered, len(self._buffer))
+            self.state.publish(msg["micro_batch"], msg)
+            self.peak_buffered = max(self.peak_buffered, self.state.held())
             self._cond.notify_all()
 
     def persist(self, mb: int) -> None:
@@ -227,7 +186,7 @@ class OutboundLink:
         if self.store is None:
             return
         with self._cond:
-            msg = self._buffer.get(mb)
+            msg = self.state.get(mb)
         if msg is not None:
             self.store.put(msg)
 
@@ -238,11 +197,11 @@ class OutboundLink:
 
     def held(self) -> int:
         with self._cond:
-            return len(self._buffer)
+            return self.state.held()
 
     def buffered(self) -> list[int]:
         with self._cond:
-            return list(self._buffer)
+            return self.state.buffered()
 
     def close(self) -> None:
         with self._cond:
@@ -269,7 +228,8 @@ class OutboundLink:
                 continue
             conn = Connection(sock, limiter=self.limiter, max_frame=self.max_frame, stall_s=self.stall_s)
             with self._cond:
-                self._conn, self._next, self._credits, self._usable_below = conn, None, 0, None
+                self._conn = conn
+                self.state.connected()
             reader = threading.Thread(target=self._read, args=(conn,), name=f"out-read-{self.name}", daemon=True)
             reader.start()
             try:
@@ -280,28 +240,20 @@ class OutboundLink:
                 conn.close()
                 with self._cond:
                     if self._conn is conn:
-                        self._conn, self._next = None, None
+                        self._conn = None
+                        self.state.disconnected()
                 reader.join(timeout=1.0)
-
-    def _has(self, mb: int) -> bool:
-        if self.source is not None:
-            return mb < (self.source_total if self.source_total is not None else NO_END)
-        return mb in self._buffer
-
-    def _sendable(self) -> bool:
-        return self._next is not None and self._credits > 0 and self._has(self._next)
 
     def _send_one(self, conn: Connection) -> bool:
         """Send the next hidden state if a credit allows; one sender at a time keeps the order."""
         with self._send_lock:
             with self._cond:
-                if conn.closed or self._conn is not conn or not self._sendable():
+                if conn.closed or self._conn is not conn:
                     return False
-                mb = self._next
-                msg = self._buffer.get(mb)
-                self._credits -= 1
-                self._next = mb + 1
-                self._usable_below = max(self._usable_below or 0, mb + 1)
+                taken = self.state.take_next()
+                if taken is None:
+                    return False
+                mb, msg = taken
             if msg is None:  # the host's feed: built when it is sent, never held
                 msg = self.source(mb)
             n = conn.send(msg)
@@ -327,7 +279,7 @@ class OutboundLink:
     def _send_loop(self, conn: Connection) -> None:
         while True:
             with self._cond:
-                while not (self._stop or conn.closed or self._sendable()):
+                while not (self._stop or conn.closed or self.state.sendable()):
                     self._cond.wait(timeout=0.5)
                 if self._stop or conn.closed:
                     return
@@ -369,89 +321,24 @@ class OutboundLink:
         with self._cond:
             current = self._conn is conn  # a delayed credit or request of a dropped connection is void
             if msg.type == MsgType.CREDIT and current:
-                self._credits += msg["credits"]
+                self.state.on_credit(msg["credits"])
             elif msg.type == MsgType.REPLAY_REQUEST and current:
-                start = msg["from_micro_batch"]
-                if start < self._pruned_below and self.source is None:  # never silently skipped, never a wait
-                    held = next(iter(self._buffer), self._pruned_below)
-                    self.on_error(replay_unavailable_message(start, self._pruned_below - 1, self.name, held))
-                    start = self._pruned_below
-                self._next = start
-                self._usable_below = max(self._usable_below or 0, start)
+                error = self.state.on_replay_request(msg["from_micro_batch"])
+                if error is not None:
+                    self.on_error(error)
             elif msg.type == MsgType.CHECKPOINT_COMMITTED:
                 # the downstream durably used everything up to this window: prune it
                 w = msg["window"]
-                end = (w + 1) * self.window_size
-                if self.source is None and end > (self._usable_below or 0):
+                refused = self.state.on_committed(w)
+                if refused is not None:
                     if not current:  # a late word of a dropped connection: its successor re-announces
                         return
-                    raise ProtocolError(ErrorCode.UNEXPECTED, commit_beyond_sent_message(
-                        w, end, self._usable_below or 0, self.name))
-                self.downstream_committed = max(self.downstream_committed, w)
-                if self.prune_on_commit and self.source is None:
-                    for mb in [k for k in self._buffer if k < end]:
-                        del self._buffer[mb]
-                    if self.store is not None:
-                        self.store.drop_below(end)
-                    # a later request below this is an error, never a silent wait
-                    self._pruned_below = max(self._pruned_below, end)
+                    raise ProtocolError(ErrorCode.UNEXPECTED, refused)
+                if self.state.prunes and self.store is not None:
+                    self.store.drop_below(self.state.window_end(w))
                 self.on_committed(msg.meta)
             elif msg.type == MsgType.ERROR:
                 log.error("%s: downstream error %s: %s", self.name, quote(msg["code"]), quote(msg["message"]))
-            self._cond.notify_all()
-
-
-class InboundQueue:
-    """Hidden states received from upstream, by micro-batch id, bounded by the credits granted."""
-
-    def __init__(self, drop_older: bool = True):
-        self._items: dict[int, Message] = {}
-        self._cond = threading.Condition()
-        self._stop = False
-        # hidden states are taken in order, so older ones left behind are stale duplicates;
-        # gradients (GPipe) are taken in reverse order and must all stay
-        self.drop_older = drop_older
-
-    def put(self, msg: Message) -> None:
-        with self._cond:
-            self._items[msg["micro_batch"]] = msg
-            self._cond.notify_all()
-
-    def take(self, mb: int, timeout: float | None = None) -> Message | None:
-        """Wait for micro-batch `mb`; earlier ids still queued are discarded (already done)."""
-        deadline = None if timeout is None else time.time() + timeout
-        with self._cond:
-            while mb not in self._items and not self._stop:
-                left = None if deadline is None else deadline - time.time()
-                if left is not None and left <= 0:
-                    return None
-                self._cond.wait(timeout=left if left is not None else 0.5)
-            if self._stop and mb not in self._items:
-                return None
-            if self.drop_older:
-                for k in [k for k in self._items if k < mb]:
-                    del self._items[k]
-            return self._items.pop(mb)
-
-    def __len__(self) -> int:
-        with self._cond:
-            return len(self._items)
-
-    def ids(self) -> list[int]:
-        """The micro-batches queued, in order."""
-        with self._cond:
-            return sorted(self._items)
-
-    def next_after(self, mb: int) -> int:
-        """The first micro-batch not yet here, counting from `mb` (the resume point)."""
-        with self._cond:
-            while mb in self._items:
-                mb += 1
-            return mb
-
-    def stop(self) -> None:
-        with self._cond:
-            self._stop = True
             self._cond.notify_all()
 
 
@@ -479,6 +366,7 @@ class InboundLink:
         self._sock = listener if listener is not None else bind_listener(bind, port)
         self.port = self._sock.getsockname()[1]
         self._conn: Connection | None = None
+        self._conn_credits: InboundCredits | None = None  # the current connection's
         self._stop = False
         self.bytes_received = 0
         self.received_at: dict[int, float] = {}
@@ -542,15 +430,17 @@ class InboundLink:
         # BP gradients go back upstream on this socket; frames are bounded by what the chunk needs,
         # and a frame begun and then left for stall_s is a TIMEOUT (PROTOCOL.md 6)
         conn = Connection(tune_link_socket(sock), max_frame=self.max_frame, stall_s=self.stall_s)
-        self._conn = conn
+        credits = InboundCredits(self.name)  # counted per connection: a new upstream starts with none
+        with self._lock:
+            self._conn, self._conn_credits = conn, credits
         try:
             conn.send(Message(MsgType.REPLAY_REQUEST, {"from_micro_batch": self.next_needed(), "to_micro_batch": NO_END}))
             if self.last_commit is not None:
                 conn.send(Message(MsgType.CHECKPOINT_COMMITTED, dict(self.last_commit)))
-            free = self.inflight_depth - len(self.queue)
-            if free > 0:
+            free = initial_credit(self.inflight_depth, len(self.queue))
+            if free is not None:
                 with self._lock:
-                    conn.credits += free
+                    credits.grant(free)
                 conn.send(Message(MsgType.CREDIT, {"credits": free}))
             while not self._stop:
                 try:
@@ -562,13 +452,12 @@ class InboundLink:
                                                               "HIDDEN_STATE is sent downstream")
                 mb = msg["micro_batch"]
                 with self._lock:  # the frame is checked before it is kept: a bad one is never queued
-                    if conn.credits <= 0:
-                        raise ProtocolError(ErrorCode.UNEXPECTED, hidden_state_without_credit_message(mb, self.name))
-                    conn.credits -= 1
+                    refused = credits.spend(mb)
+                if refused is not None:
+                    raise ProtocolError(ErrorCode.UNEXPECTED, refused)
                 why = self.unusable(msg)
                 if why is not None:
-                    raise ProtocolError(ErrorCode.UNEXPECTED, f"HIDDEN_STATE for micro-batch {mb} on {self.name}: "
-                                                              f"{why}; it was not kept")
+                    raise ProtocolError(ErrorCode.UNEXPECTED, unusable_message(mb, self.name, why))
                 self.bytes_received += sum(getattr(t, "nbytes", 0) for t in msg.tensors.values())
                 self.received_at[msg["micro_batch"]] = time.time()
                 self._deliver(self.queue.put, msg)
@@ -580,16 +469,17 @@ class InboundLink:
         finally:
             hs.close()
             conn.close()
-            if self._conn is conn:
-                self._conn = None
+            with self._lock:
+                if self._conn is conn:
+                    self._conn, self._conn_credits = None, None
 
     def grant(self, n: int = 1) -> None:
         """Return credits upstream as inbound entries are consumed."""
         with self._lock:
-            conn = self._conn
+            conn, credits = self._conn, self._conn_credits
             if conn is None:
                 return
-            conn.credits += n  # counted before it is sent: the frame it allows may come back at once
+            credits.grant(n)  # counted before it is sent: the frame it allows may come back at once
         conn.try_send(Message(MsgType.CREDIT, {"credits": n}))
 
     def send_gradient(self, mb: int, grad) -> int:

@@ -24,7 +24,8 @@ import torch
 from zl_common.program import ChunkProgram
 
 from .checkpoint import CheckpointStore
-from .links import STALL_S, InboundLink, InboundQueue, OutboundLink, link_frame_limit, unusable_reason
+from .link_rules import STALL_S, InboundQueue, link_frame_limit, unusable_reason
+from .links import InboundLink, OutboundLink
 from .protocol import Message, MsgType
 from .readout import readout_positions
 from .replay_store import ReplayStore
