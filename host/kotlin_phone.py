@@ -96,13 +96,13 @@ def java_command(name: str, workdir: Path, token: str, port: int, bind: str, ext
             raise EmulatorError(f"{opt} is a zl-phone option Kotlin phones do not have yet: run those phones with "
                                 "--runtime python")
         i += 2
-    return [*prefix, "java", *JVM_OPTIONS, f"-Dzerolock.executorchJni={lib}", "-cp", cp, "org.zerolock.core.DeviceMain",
+    return [*prefix, "java", *JVM_OPTIONS, f"-Dzerolock.executorchJni={lib}", "-cp", cp, "org.zerolock.core.device.DeviceMain",
             "--runtime", "executorch", "--name", name, "--workdir", str(workdir), "--token", token, "--port", str(port),
             "--bind", bind, "--heartbeat-ms", str(HEARTBEAT_MS), "--detach", *args]
 
 
 class KotlinPhone(EmulatedPhone):
-    """An emulated phone whose process is the Kotlin core on the JVM (org.zerolock.core.DeviceMain)."""
+    """An emulated phone whose process is the Kotlin core on the JVM (org.zerolock.core.device.DeviceMain)."""
 
     runtime = "kotlin"
     advertises = False  # no mDNS responder of its own: ready once it listens

@@ -30,7 +30,7 @@ CANNOT_RUN = [
     (r"^(cd kotlin_app|gradle |echo \"sdk\.dir|\./gradlew |adb install)",
      "needs the Android SDK and Google's Maven (not here)", None),
     (r"^java .*DeviceMain", "by hand, with [optional] arguments: zl-host emulate --runtime kotlin starts it above",
-     ["java", "-cp", "{classpath}", "org.zerolock.core.DeviceMain", "--help"]),
+     ["java", "-cp", "{classpath}", "org.zerolock.core.device.DeviceMain", "--help"]),
 ]
 # a command's program for its --help: the first words that name it
 HELP_OF = {"zl-host": 2, "zl-export": 1, "zl-phone": 1, "zl-dist": 1, "torchrun": 1}

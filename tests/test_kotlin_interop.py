@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from zl_mobile.links import InboundLink, InboundQueue, OutboundLink
+from zl_mobile.link_rules import InboundQueue
+from zl_mobile.links import InboundLink, OutboundLink
 from zl_mobile.protocol import ErrorCode, Message, MsgType, ProtocolError, host_handshake, new_token, recv_message, send_message
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,7 +50,7 @@ class KotlinDevice:
     def __init__(self, classpath: str, tmp: Path, token: str):
         self.token = token
         self.proc = subprocess.Popen(
-            ["java", "-cp", classpath, "org.zerolock.core.DeviceMain", "--runtime", "affine", "--port", "0",
+            ["java", "-cp", classpath, "org.zerolock.core.device.DeviceMain", "--runtime", "affine", "--port", "0",
              "--bind", "127.0.0.1",
              "--token", token, "--name", "kotlin-interop", "--dir", str(tmp)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

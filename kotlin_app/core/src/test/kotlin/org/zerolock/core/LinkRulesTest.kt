@@ -9,24 +9,10 @@ import org.junit.jupiter.api.DynamicTest
 import org.junit.jupiter.api.Test
 import org.junit.jupiter.api.TestFactory
 import org.junit.jupiter.api.io.TempDir
-import org.zerolock.core.device.InboundLink
-import org.zerolock.core.protocol.ErrorCode
-import org.zerolock.core.protocol.FrameReader
-import org.zerolock.core.protocol.FrameWriter
-import org.zerolock.core.protocol.Frames
-import org.zerolock.core.protocol.Handshake
-import org.zerolock.core.protocol.Message
-import org.zerolock.core.protocol.Messages
-import org.zerolock.core.protocol.MsgType
-import org.zerolock.core.protocol.ProtocolException
-import org.zerolock.core.protocol.Tensor
-import org.zerolock.core.protocol.hostHandshake
 import java.io.File
-import java.net.InetAddress
-import java.net.Socket
-import java.net.SocketTimeoutException
 
-/** tests/vectors/link_rules/link_rules.json: the scenarios the Python reference passes too. */
+/** tests/vectors/link_rules/link_rules.json on the pure rule classes, no sockets: the scenarios the Python ones
+ *  (zl_mobile/link_rules.py) pass too. The TCP layer: [TcpLinksTest]. */
 class LinkRulesVectorsTest {
     private val v = Json.parse(TestSupport.file("tests/vectors/link_rules/link_rules.json").readText()).asObject()
 
@@ -38,62 +24,6 @@ class LinkRulesVectorsTest {
 
     @Test
     fun `the data port cap matches the vectors`() = assertEquals(v.long("max_connections"), LinkRules.MAX_CONNECTIONS.toLong())
-
-    /** How many of [socks] the link still holds open, once [want] are (or 3 s have passed), with
-     *  0.3 s more for a late close: a closed one reads end-of-stream (or a reset). */
-    private fun held(socks: List<Socket>, closed: MutableSet<Int>, want: Int): Int {
-        fun probe() {
-            for ((i, s) in socks.withIndex()) {
-                if (i in closed) continue
-                s.soTimeout = 1
-                try { if (s.getInputStream().read() < 0) closed += i } catch (_: SocketTimeoutException) {} catch (_: java.io.IOException) { closed += i }
-            }
-        }
-        val end = System.currentTimeMillis() + 3000
-        while (true) {
-            probe()
-            if (socks.size - closed.size <= want || System.currentTimeMillis() > end) break
-            Thread.sleep(20)
-        }
-        Thread.sleep(300)
-        probe()
-        return socks.size - closed.size
-    }
-
-    /** PROTOCOL.md 6 on the real device.InboundLink: its data port holds at most max_connections; at
-     *  the cap the oldest unauthenticated connection gives way, so idle sockets never keep the upstream out. */
-    @Suppress("UNCHECKED_CAST")
-    @TestFactory
-    fun `inbound connection cap`(): List<DynamicTest> = ((v["inbound"].asObject())["connections"] as List<Any?>).map { sc ->
-        val s = sc.asObject()
-        DynamicTest.dynamicTest(s.str("name")) {
-            val token = Handshake.newToken()
-            val queue = InboundQueue<Message>()
-            val link = InboundLink(s.str("link"), token, queue, 2, nextNeeded = { queue.nextAfter(0) },
-                bind = InetAddress.getLoopbackAddress(), maxConnections = s.long("max_connections").toInt())
-            val idle = mutableListOf<Socket>()
-            val closed = HashSet<Int>()
-            var up: Upstream? = null
-            try {
-                for ((i, st) in (s["steps"] as List<Any?>).withIndex()) {
-                    val step = st.asObject()
-                    val where = "${s.str("name")}, step $i $step"
-                    when (step.str("do")) {
-                        "idle" -> repeat(step.long("n").toInt()) { idle += Socket(InetAddress.getLoopbackAddress(), link.port) }
-                        "connect" -> up = Upstream(link.port, token)
-                        else -> error("unknown step in $where")
-                    }
-                    val want = step.long("held").toInt()
-                    assertEquals(want, held(idle, closed, want), where)
-                }
-                up?.let { assertEquals(2L, it.credit(), "the authenticated upstream was never the one to give way") }
-            } finally {
-                idle.forEach { it.close() }
-                up?.close()
-                link.close()
-            }
-        }
-    }
 
     @Suppress("UNCHECKED_CAST")
     @TestFactory
@@ -140,102 +70,50 @@ class LinkRulesVectorsTest {
         }
     }
 
-    /** The upstream end of one connection to an [InboundLink] (BUSY while the last one's slot is freed). */
-    private class Upstream(port: Int, token: String) : AutoCloseable {
-        val s: Socket
-        val r: FrameReader
-        val w: FrameWriter
-        init {
-            val end = System.currentTimeMillis() + 10_000
-            while (true) {
-                val c = Socket(InetAddress.getLoopbackAddress(), port).also { it.soTimeout = 10_000 }
-                val cr = FrameReader(c.getInputStream().buffered(), Frames.PREAUTH_MAX_FRAME)
-                val cw = FrameWriter(c.getOutputStream().buffered())
-                try { hostHandshake(cr, cw, token, "upstream") } catch (e: ProtocolException) {
-                    c.close()
-                    if (e.code != ErrorCode.BUSY || System.currentTimeMillis() > end) throw e
-                    Thread.sleep(20)
-                    continue
-                }
-                s = c; r = cr; w = cw
-                break
-            }
-            r.maxFrame = Frames.DEFAULT_MAX_FRAME
-            assertEquals(MsgType.REPLAY_REQUEST, r.read().type)
-        }
 
-        /** The CREDIT the link sends next (null: nothing within 300 ms). */
-        fun credit(): Long? {
-            s.soTimeout = 300
-            val m = try { r.read() } catch (_: SocketTimeoutException) { return null } finally { s.soTimeout = 10_000 }
-            assertEquals(MsgType.CREDIT, m.type, m.toString())
-            return m.long("credits")
-        }
-
-        override fun close() = s.close()
-    }
-
-    /** PROTOCOL.md 5.4.1 on the real device.InboundLink: a HIDDEN_STATE beyond the credits, or one
-     *  the stage cannot use ([LinkRules.unusable], what StageRuntime checks), is answered ERROR
-     *  UNEXPECTED, is not kept, and the link closes. */
+    /** PROTOCOL.md 5.4.1: a HIDDEN_STATE beyond the credits of its connection, or one the stage cannot
+     *  use ([LinkRules.unusable], what StageRuntime checks), is refused and not kept, and the
+     *  connection ends; a new one starts with the greeting's credit. */
     @Suppress("UNCHECKED_CAST")
     @TestFactory
     fun `inbound credits`(): List<DynamicTest> = ((v["inbound"].asObject())["credits"] as List<Any?>).map { sc ->
         val s = sc.asObject()
         DynamicTest.dynamicTest(s.str("name")) {
-            val token = Handshake.newToken()
             val w = s.long("window_size").toInt()
             val depth = s.long("inflight_depth").toInt()
             val total = (s["total_micro_batches"] as Number?)?.toLong()
-            val queue = InboundQueue<Message>()
+            val name = s.str("link")
+            val queue = InboundQueue<String>()
             var next = (s.long("committed_window") + 1) * w // the micro-batch the stage needs next
-            val link = InboundLink(s.str("link"), token, queue, depth, nextNeeded = { queue.nextAfter(next) },
-                bind = InetAddress.getLoopbackAddress(),
-                unusable = { m -> LinkRules.unusable(m.long("micro_batch"), m.long("window"), next, depth, w, total) })
-            var up: Upstream? = null
-            try {
-                for ((i, st) in (s["steps"] as List<Any?>).withIndex()) {
-                    val step = st.asObject()
-                    val where = "${s.str("name")}, step $i $step"
-                    when (step.str("do")) {
-                        "connect" -> {
-                            up?.close()
-                            up = Upstream(link.port, token)
-                            assertEquals((step["credit"] as Number?)?.toLong(), up!!.credit(), where)
-                        }
-                        "send" -> {
-                            val mb = step.long("mb")
-                            val window = (step["window"] as Number?)?.toLong() ?: (mb / w)
-                            up!!.w.write(Messages.hiddenState(mb, window, Tensor.ofFloats(floatArrayOf(mb.toFloat(), mb.toFloat()), 1, 2)))
-                            (step["refused"] as String?)?.let { refused ->
-                                val e = up!!.r.read()
-                                assertEquals(MsgType.ERROR, e.type, "$where: $e")
-                                assertEquals("UNEXPECTED", e.string("code"), where)
-                                assertEquals(refused, e.string("message"), where)
-                                assertThrows<Exception> { up!!.r.read() } // the link closed
-                                up!!.close()
-                                up = null
-                            }
-                        }
-                        "take" -> {
-                            val mb = step.long("mb")
-                            assertEquals(mb, queue.take(mb, 10_000)?.long("micro_batch"), where)
-                            next = mb + 1 // as the stage: its next moves before the credit goes out
-                            link.grant(1)
-                            assertEquals((step["credit"] as Number?)?.toLong(), up!!.credit(), where)
-                        }
-                        else -> error("unknown step in $where")
+            var credits: InboundCredits? = null // the current connection's (null: no upstream connected)
+            for ((i, st) in (s["steps"] as List<Any?>).withIndex()) {
+                val step = st.asObject()
+                val where = "${s.str("name")}, step $i $step"
+                when (step.str("do")) {
+                    "connect" -> {
+                        val c = InboundCredits(name).also { credits = it }
+                        val first = LinkRules.initialCredit(depth, queue.size)
+                        first?.let { c.grant(it) }
+                        assertEquals((step["credit"] as Number?)?.toLong(), first, where)
                     }
-                    step["queued"]?.let { want ->
-                        val end = System.currentTimeMillis() + 10_000
-                        while (queue.ids() != longs(want) && System.currentTimeMillis() < end) Thread.sleep(5)
-                        assertEquals(longs(want), queue.ids(), "queued: $where")
+                    "send" -> {
+                        val mb = step.long("mb")
+                        val window = (step["window"] as Number?)?.toLong() ?: (mb / w)
+                        val refused = credits!!.spend(mb)
+                            ?: LinkRules.unusable(mb, window, next, depth, w, total)?.let { LinkRules.unusableMessage(mb, name, it) }
+                        assertEquals(step["refused"] as String?, refused, where)
+                        if (refused == null) queue.put(mb, "h$mb") else credits = null // the link closes
                     }
+                    "take" -> {
+                        val mb = step.long("mb")
+                        assertEquals("h$mb", queue.tryTake(mb), where)
+                        next = mb + 1 // as the stage: its next moves before the credit goes out
+                        val sent = credits?.let { it.grant(1); 1L }
+                        assertEquals((step["credit"] as Number?)?.toLong(), sent, where)
+                    }
+                    else -> error("unknown step in $where")
                 }
-                up?.let { assertNull(it.credit(), "nothing refused that the scenario did not expect") }
-            } finally {
-                up?.close()
-                link.close()
+                step["queued"]?.let { assertEquals(longs(it), queue.ids(), "queued: $where") }
             }
         }
     }

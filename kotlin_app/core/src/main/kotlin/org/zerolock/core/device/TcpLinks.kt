@@ -1,5 +1,6 @@
 package org.zerolock.core.device
 
+import org.zerolock.core.InboundCredits
 import org.zerolock.core.InboundQueue
 import org.zerolock.core.LinkRules
 import org.zerolock.core.OutboundLinkState
@@ -25,7 +26,8 @@ import java.net.Socket
 
 /**
  * Stage-to-stage hidden-state links over TCP (PROTOCOL.md 5.4.1), the Kotlin twin of
- * zl_mobile/links.py; the rules themselves are in [OutboundLinkState] and [InboundQueue].
+ * zl_mobile/links.py; the rules themselves are in LinkRules.kt ([OutboundLinkState], [InboundCredits],
+ * [InboundQueue]), as in zl_mobile/link_rules.py.
  *
  * OutboundLink (upstream side, the TCP client, "host" of the link handshake with the link's token):
  * keeps every hidden state it produced until the downstream commits the window that used it (the
@@ -200,7 +202,7 @@ class OutboundLink(
                 var error: String? = null
                 var committed: Map<String, Any?>? = null
                 synchronized(lock) {
-                    val current = sock === s // a delayed credit or request of a dropped connection is void (zl_mobile)
+                    val current = sock === s // a delayed credit or request of a dropped connection is void (as zl_mobile/links.py)
                     when (m.type) {
                         MsgType.CREDIT -> if (current) state.onCredit(m.long("credits"))
                         MsgType.REPLAY_REQUEST -> if (current) error = state.onReplayRequest(m.long("from_micro_batch"))
@@ -290,8 +292,8 @@ class InboundLink(
     private val slots = ConnectionSlots(maxConnections)
     private val server = listener ?: bindListener(bind, port)
     private val creditLock = Object()
-    /** HIDDEN_STATE frames the current upstream may still send (5.4.1: the downstream enforces its credits). */
-    private var credits = 0L
+    /** The current upstream connection's credits (5.4.1: the downstream enforces them); null: none connected. */
+    private var credits: InboundCredits? = null
     val port: Int = server.localPort
     @Volatile private var writer: FrameWriter? = null
     @Volatile private var current: Socket? = null
@@ -323,11 +325,12 @@ class InboundLink(
         slots.authenticated(c)
         c.soTimeout = stallMs
         r.maxFrame = maxFrame
-        synchronized(creditLock) { credits = 0; writer = w; current = c }
+        val connCredits = InboundCredits(name) // counted per connection: a new upstream starts with none
+        synchronized(creditLock) { credits = connCredits; writer = w; current = c }
         try {
             w.write(Message(MsgType.REPLAY_REQUEST, linkedMapOf("from_micro_batch" to nextNeeded(), "to_micro_batch" to LinkRules.NO_END)))
             LinkRules.initialCredit(inflightDepth, queue.size)?.let {
-                synchronized(creditLock) { credits += it }
+                synchronized(creditLock) { connCredits.grant(it) }
                 w.write(Messages.credit(it))
             }
             // as zl_mobile: a new upstream (a restarted one reloading its replay buffer) learns what
@@ -339,11 +342,9 @@ class InboundLink(
                     throw ProtocolException(ErrorCode.UNEXPECTED, "${m.type} on a hidden-state link; only HIDDEN_STATE is sent downstream")
                 }
                 val mb = m.long("micro_batch")
-                synchronized(creditLock) { // checked before it is kept: a frame past the credits is never queued
-                    if (credits <= 0) throw ProtocolException(ErrorCode.UNEXPECTED, LinkRules.noCreditMessage(mb, name))
-                    credits -= 1
-                }
-                unusable(m)?.let { throw ProtocolException(ErrorCode.UNEXPECTED, "HIDDEN_STATE for micro-batch $mb on $name: $it; it was not kept") }
+                // checked before it is kept: a frame past the credits, or one the stage cannot use, is never queued
+                synchronized(creditLock) { connCredits.spend(mb) }?.let { throw ProtocolException(ErrorCode.UNEXPECTED, it) }
+                unusable(m)?.let { throw ProtocolException(ErrorCode.UNEXPECTED, LinkRules.unusableMessage(mb, name, it)) }
                 bytesReceived += m.tensors.values.sumOf { it.data.size.toLong() }
                 if (delay == null) queue.put(mb, m) else delay.deliver { queue.put(mb, m) }
             }
@@ -352,14 +353,17 @@ class InboundLink(
             try { w.write(e.toMessage()) } catch (_: Exception) {}
         } catch (_: IOException) {
         } finally {
-            if (writer === w) { writer = null; current = null }
+            synchronized(creditLock) { if (writer === w) { writer = null; current = null; credits = null } }
             auth.releaseSession()
         }
     }
 
     /** Return [n] credits upstream as queue entries are consumed. */
     fun grant(n: Long = 1, microBatch: Long? = null) {
-        synchronized(creditLock) { if (writer == null) return; credits += n } // counted before it is sent
+        synchronized(creditLock) {
+            val c = credits ?: return // no upstream connected
+            c.grant(n) // counted before it is sent: the frame it allows may come back at once
+        }
         trySend(Messages.credit(n, microBatch))
     }
 

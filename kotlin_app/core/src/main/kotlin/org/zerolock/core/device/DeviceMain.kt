@@ -1,14 +1,6 @@
-package org.zerolock.core
+package org.zerolock.core.device
 
-import org.zerolock.core.device.AffineChunkRunner
-import org.zerolock.core.device.DeviceInfo
-import org.zerolock.core.device.DeviceServer
-import org.zerolock.core.device.DelayLine
-import org.zerolock.core.device.HelloFacts
-import org.zerolock.core.device.LinkShaping
-import org.zerolock.core.device.ManifestRunnerFactory
-import org.zerolock.core.device.MemoryLimit
-import org.zerolock.core.device.RunnerFactory
+import org.zerolock.core.ProcStats
 import org.zerolock.core.executorch.EtLibrary
 import org.zerolock.core.executorch.ExecuTorchBackend
 import org.zerolock.core.protocol.Handshake
@@ -22,7 +14,7 @@ import kotlin.system.exitProcess
  * A Kotlin phone on the JVM: the app's core (protocol, links, stage runtime, AdamW, checkpoints)
  * minus its Android layer, serving ZLWP/1 like zl-phone.
  *
- *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.DeviceMain \
+ *   java -cp "$(cat kotlin_app/build/classpath.txt)" org.zerolock.core.device.DeviceMain \
  *        [--runtime executorch|affine] [--port 0] [--bind 127.0.0.1] [--token HEX64] [--name NAME]
  *        [--workdir DIR] [--threads N] [--heartbeat-ms N] [--mem-limit SIZE] [--cpu-share F]
  *        [--rate-mbit F] [--link-delay-ms F] [--detach]

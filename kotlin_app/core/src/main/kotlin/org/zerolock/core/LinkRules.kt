@@ -3,18 +3,20 @@ package org.zerolock.core
 import java.util.TreeMap
 
 /**
- * The link rules of docs/PROTOCOL.md 5.4.1 as plain state machines, the same rules as the Python
- * reference (zl_mobile/links.py), with the same names:
+ * The link rules of docs/PROTOCOL.md 5.4.1 as plain state machines, no sockets: the same rules as the
+ * Python reference (zl_mobile/link_rules.py), with the same names:
  *
  * - [OutboundLinkState] is the upstream side of a stage-to-stage link (and of the host's feed into
  *   stage 0): the replay buffer of hidden states this stage produced, the downstream's resume point
  *   and the credits. The networked `device.OutboundLink` drives it.
  * - [InboundQueue] is the downstream side: hidden states received, by micro-batch id; with
  *   [InboundQueue.nextAfter] it gives the resume point announced in REPLAY_REQUEST, and
- *   [initialCredit] the first CREDIT. The networked `device.InboundLink` drives it.
+ *   [initialCredit] the first CREDIT; [InboundCredits] counts the frames one upstream connection may
+ *   still send. The networked `device.InboundLink` (device/TcpLinks.kt) drives them.
  *
- * tests/vectors/link_rules/link_rules.json holds scenarios that both implementations must pass
- * (tests/test_link_rules_vectors.py for Python, LinkRulesVectorsTest for Kotlin).
+ * tests/vectors/link_rules/link_rules.json holds scenarios that both implementations run on these
+ * pure classes (tests/test_link_rules_vectors.py for Python, LinkRulesVectorsTest for Kotlin); the
+ * TCP layer has its loopback tests apart (TcpLinksTest, tests/test_links_tcp.py).
  */
 object LinkRules {
     /** "To the end" in REPLAY_REQUEST (2^53: the largest integer every JSON reader keeps exact). */
@@ -22,17 +24,17 @@ object LinkRules {
     /** PROTOCOL.md 6: a frame begun on a link with no byte for this long is a stall (TIMEOUT). */
     const val STALL_MS: Int = 10_000
     /** PROTOCOL.md 6: a stage's data port holds at most this many connections at once, authenticated
-     *  or not (zl_mobile.links.LINK_MAX_CONNECTIONS, the host port's default too). */
+     *  or not (zl_mobile.link_rules.LINK_MAX_CONNECTIONS, the host port's default too). */
     const val MAX_CONNECTIONS: Int = 64
 
-    /** Python's message (zl_mobile.links.replay_unavailable_message), word for word: the host shows it. */
+    /** Python's message (zl_mobile.link_rules.replay_unavailable_message), word for word: the host shows it. */
     fun replayUnavailableMessage(from: Long, to: Long, linkName: String, heldFrom: Long): String =
         "replay unavailable: micro-batches $from-$to needed downstream of $linkName are no longer held " +
             "(it holds $heldFrom onward); the downstream asked below what it had reported committed, " +
             "so its checkpoint or the upstream's replay files were lost: restore that stage's work dir " +
             "or start a new run"
 
-    /** Python's message (zl_mobile.links.commit_beyond_sent_message), word for word: the last
+    /** Python's message (zl_mobile.link_rules.commit_beyond_sent_message), word for word: the last
      *  micro-batch of [window] is written exactly (Python's integers do not wrap), even past 2^63. */
     fun commitBeyondSentMessage(window: Long, windowSize: Int, usableBelow: Long, linkName: String): String =
         "CHECKPOINT_COMMITTED window $window covers micro-batches up to " +
@@ -41,10 +43,14 @@ object LinkRules {
             "only those below $usableBelow on this link: a downstream cannot commit what it never received; " +
             "nothing was pruned (fix the downstream's commit bookkeeping)"
 
-    /** Python's message (zl_mobile.links.hidden_state_without_credit_message), word for word. */
+    /** Python's message (zl_mobile.link_rules.hidden_state_without_credit_message), word for word. */
     fun noCreditMessage(mb: Long, linkName: String): String =
         "HIDDEN_STATE for micro-batch $mb on $linkName with no credit left: an upstream sends one frame per " +
             "credit granted (PROTOCOL.md 5.4.1); it was not kept"
+
+    /** The refusal of a HIDDEN_STATE the stage cannot use ([why]: [unusable]); Python's
+     *  zl_mobile.link_rules.unusable_message, word for word. */
+    fun unusableMessage(mb: Long, linkName: String, why: String): String = "HIDDEN_STATE for micro-batch $mb on $linkName: $why; it was not kept"
 
     /** The first micro-batch after [window]: `(window + 1) * windowSize`, saturated at Long.MAX_VALUE
      *  (PROTOCOL.md 5.4: a peer may send any window up to 2^63-1; a wrapped end would pass every check). */
@@ -54,14 +60,14 @@ object LinkRules {
     /** Credits added without wrapping: a downstream may grant up to 2^63-1 at a time (PROTOCOL.md 5.4). */
     fun addCredits(credits: Long, n: Long): Long = if (n > Long.MAX_VALUE - credits) Long.MAX_VALUE else credits + n
 
-    /** The largest frame a stage link needs (PROTOCOL.md 2.1), as zl_mobile.links.link_frame_limit:
+    /** The largest frame a stage link needs (PROTOCOL.md 2.1), as zl_mobile.link_rules.link_frame_limit:
      *  [dataElements] elements of at most 8 bytes, twice over for what travels with them, a full
      *  metadata part and the records' headers. */
     fun linkFrameLimit(dataElements: Long): Long =
         minOf(256L shl 20, 2 * 8 * dataElements + (1L shl 20) + (64L shl 10))
 
     /** Why a stage whose next micro-batch is [next] can never use micro-batch [mb] labelled
-     *  [window] (null: it can), as zl_mobile's Stage._unusable. */
+     *  [window] (null: it can), as zl_mobile.link_rules.unusable_reason. */
     fun unusable(mb: Long, window: Long, next: Long, inflightDepth: Int, windowSize: Int, total: Long?): String? = when {
         mb < next -> "this stage is past it (it needs $next next)"
         mb >= next + 2L * inflightDepth -> "beyond what the $inflightDepth credits allow from micro-batch $next, the next this stage needs"
@@ -185,6 +191,26 @@ class OutboundLinkState<T>(
         next = mb + 1
         usableBelow = maxOf(usableBelow ?: 0, mb + 1)
         return mb to buffer.getValue(mb)
+    }
+}
+
+/**
+ * Downstream side: the HIDDEN_STATE frames one upstream connection may still send (PROTOCOL.md
+ * 5.4.1: the downstream enforces its credits). A new connection starts with none. Not thread-safe
+ * by itself: the owner serializes calls.
+ */
+class InboundCredits(val name: String) {
+    var credits: Long = 0
+        private set
+
+    /** Counted before the CREDIT goes out: the frame it allows may come back at once. */
+    fun grant(n: Long) { credits = LinkRules.addCredits(credits, n) }
+
+    /** HIDDEN_STATE [mb] arrived: spends a credit, or returns the refusal (the frame is not kept). */
+    fun spend(mb: Long): String? {
+        if (credits <= 0) return LinkRules.noCreditMessage(mb, name)
+        credits -= 1
+        return null
     }
 }
 
