@@ -86,22 +86,36 @@ class Faults:
             raise AppFailure(spec.detect)
         os._exit(FAILURE_EXIT_CODE)
 
+    def slow_seconds(self, window: int) -> float:
+        """Seconds every phase 1 of `window` sleeps more (slow-phase1: a slower phone); as the
+        Kotlin core's FaultInjector.slowSeconds."""
+        return sum(sp.seconds for sp in self.specs if sp.point == SLOW_POINT and sp.window in (None, window))
+
+    def stall_seconds(self, window: int) -> float | None:
+        """hold-gil-in-phase1 of `window`: its seconds the first time that window's phase 1 runs
+        here, else None; as the Kotlin core's FaultInjector.stallSeconds."""
+        spec = next((sp for sp in self.specs if sp.point == STALL_POINT and sp.window == window), None)
+        if spec is None or window in self._stalled:
+            return None
+        self._stalled.add(window)
+        return spec.seconds
+
     def slow_down(self, window: int) -> None:
         """Phase 1 made slower, as on a slower phone (other threads run), or holding the
         interpreter once, as a long runtime call does (no other thread runs)."""
-        for sp in self.specs:
-            if sp.point == SLOW_POINT and sp.window in (None, window):
-                time.sleep(sp.seconds)
-            if sp.point == STALL_POINT and sp.window == window and window not in self._stalled:
-                self._stalled.add(window)
-                old = sys.getswitchinterval()
-                sys.setswitchinterval(sp.seconds + 1.0)
-                try:
-                    end = time.time() + sp.seconds
-                    while time.time() < end:
-                        pass
-                finally:
-                    sys.setswitchinterval(old)
+        slow = self.slow_seconds(window)
+        if slow > 0:
+            time.sleep(slow)
+        stall = self.stall_seconds(window)
+        if stall is not None:
+            old = sys.getswitchinterval()
+            sys.setswitchinterval(stall + 1.0)
+            try:
+                end = time.time() + stall
+                while time.time() < end:
+                    pass
+            finally:
+                sys.setswitchinterval(old)
 
 
 class StageCore:

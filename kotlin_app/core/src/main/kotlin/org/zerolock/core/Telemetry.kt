@@ -78,6 +78,7 @@ data class Telemetry(
         timeMs?.let { m["time_ms"] = it }
         // a NaN or infinite reading (a diverging run's loss) has no JSON form: left out and named
         // in `nonfinite` (PROTOCOL.md 5.5), so the record still goes and the host sees the divergence
+        // (zl_mobile.stage_core.present; tests/vectors/stage_core/stage_core.json `present`, run by both)
         val bad = m.entries.filter { (_, v) -> (v is Double && !v.isFinite()) || (v is Float && !v.isFinite()) }.map { it.key }.sorted()
         if (bad.isNotEmpty()) {
             bad.forEach { m.remove(it) }
@@ -144,7 +145,8 @@ data class TelemetryCounters(val activeS: Double, val waitS: Double, val seconds
 
 /**
  * Sums a stage's micro-batches per update window and makes the window's TELEMETRY record
- * (`kind` = `window`), as zl_mobile/stage.py does (`_add_window_stats`, `_window_telemetry`):
+ * (`kind` = `window`), as zl_mobile/stage_core.py does (StageCore.add, `_window_record`; the shared
+ * figures: tests/vectors/stage_core/stage_core.json `window_records`, run by both):
  * mean `loss` / `task_loss` / `consis_loss` over the window's `micro_batches` (a loss no
  * micro-batch reported is left out), `phase1_s` and `phase2_s` summed over them, the step's
  * `step_s`, and `active_s`, `wait_s`, `seconds` (wall), `bytes_in`, `bytes_out` as deltas since

@@ -10,7 +10,8 @@ import org.zerolock.core.device.FailureSpec
 import org.zerolock.core.device.FaultInjector
 import java.io.File
 
-/** The Kotlin core's injected failures (FaultInjector), as zl_mobile/stage.py's; the pipelines run them in tests/test_kotlin_phone.py. */
+/** The Kotlin core's injected failures (FaultInjector), as zl_mobile/stage_core.py's (the shared rules: StageCoreVectorsTest);
+ *  the pipelines run them in tests/test_kotlin_phone.py. */
 class FaultInjectionTest {
     private fun specs(vararg m: Map<String, Any?>) = FailureSpec.listOf(m.toList())
 

@@ -23,7 +23,8 @@ import java.io.File
 import java.net.InetAddress
 import java.util.Collections
 
-/** The per-window TELEMETRY record (PROTOCOL.md 5.5, `kind` window), as zl_mobile/stage.py makes it. */
+/** The per-window TELEMETRY record (PROTOCOL.md 5.5, `kind` window), as zl_mobile/stage_core.py makes it (the shared
+ *  figures: StageCoreVectorsTest). */
 class WindowTelemetryTest {
     private fun counters(active: Double, wait: Double, seconds: Double, bytesIn: Long, bytesOut: Long) =
         TelemetryCounters(active, wait, seconds, bytesIn, bytesOut)

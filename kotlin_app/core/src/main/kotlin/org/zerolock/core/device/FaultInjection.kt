@@ -2,7 +2,8 @@ package org.zerolock.core.device
 
 import java.io.File
 
-/** One STAGE_ASSIGN `config.inject_failure` entry (PROTOCOL.md 5.3.1), read as zl_mobile/stage.py reads it. */
+/** One STAGE_ASSIGN `config.inject_failure` entry (PROTOCOL.md 5.3.1), read as zl_mobile/stage_core.py reads it
+ *  (tests/vectors/stage_core/stage_core.json `fault_specs`, run by both). */
 data class FailureSpec(
     /** null: every window (slow-phase1 only; StageAssignRules refuses it elsewhere). */
     val window: Long?,
@@ -30,8 +31,8 @@ data class FailureSpec(
 class AppFailure(val detect: String) : RuntimeException("injected in-app failure (detected by $detect)")
 
 /**
- * The Kotlin twin of zl_mobile/stage.py's fault injection (tests, benchmarks), same points, same
- * once-only rule: a failure fires once per run, stage, window and point, remembered by a marker
+ * The Kotlin twin of zl_mobile/stage_core.py's fault injection (Faults; tests, benchmarks), same points, same
+ * once-only rule (tests/vectors/stage_core/stage_core.json `fault_firing`, run by both): a failure fires once per run, stage, window and point, remembered by a marker
  * file in the device's storage (`failure-injected-RUN-K-W-POINT`), so the restarted or re-assigned
  * stage replays that window without failing again.
  *
