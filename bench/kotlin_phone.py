@@ -74,7 +74,10 @@ def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int,
         out["stages"][k] = {"step_s": statistics.median(steps) if steps else None, "step_min_s": min(steps) if steps else None,
                             "peak_pss_mib": peak / MiB, "peak_rss_mib": peak_rss / MiB,
                             "runtime_pss_mib": floor[0] / MiB if floor else None,
-                            "over_floor_mib": (peak - floor[0]) / MiB if floor else None}
+                            "over_floor_mib": (peak - floor[0]) / MiB if floor else None,
+                            # what the stage moved on its links (in + out, framed), per micro-batch
+                            "link_bytes_per_micro_batch": max((r.get("bytes_in") or 0) + (r.get("bytes_out") or 0)
+                                                              for r in mine) / len(mine)}
     # the first window's losses come before any update: the same numbers on both runtimes (parity)
     out["first_window_losses"] = {k: [r["loss"] for r in sorted((r for r in mb if r["stage"] == k and r["window"] == 0),
                                                                  key=lambda r: r["micro_batch"])] for k in range(n)}

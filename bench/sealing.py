@@ -4,6 +4,12 @@ the phones), interleaved for --rounds rounds; per mode the pipeline's samples/s 
 first) and the median step time per stage (phase1 + phase2 of a micro-batch). Target: sealed
 within 2% of unsealed throughput.
 
+On a shared machine two runs differ by more than sealing does, so the record layer's own cost is also
+measured directly: the CPU time of the real Seal (AES-256-GCM, this machine's OpenSSL) to seal and open
+every byte a stage moves per micro-batch (its telemetry's bytes in + out), against the pipeline's time
+per micro-batch. Each stage does that work beside its compute, so the largest share bounds what
+sealing can take from throughput.
+
 Usage:
   python bench/sealing.py [--program EXPORT | (default) the tests' tiny model, exported here]
         [--runtime python|kotlin] [--windows 4] [--window 2] [--rounds 3] [--out bench/results/sealing.json]
@@ -32,6 +38,37 @@ def tiny_export(work: Path) -> Path:
     if not (out / "manifest.json").exists():
         model = write_small_model_dir(work / "tiny_model")
         export_model(str(model), SMALL_CHUNKS, out, small_export_config(), modes=("zerolock",))
+    return out
+
+
+FRAMES_PER_MICRO_BATCH = 8
+
+
+def seal_open_seconds_per_byte(frame_bytes: int, min_seconds: float = 0.3) -> float:
+    """CPU seconds to seal and then open one byte, in frames of `frame_bytes` (the real Seal)."""
+    from zl_mobile.protocol.seal import Seal
+
+    key_a, key_b = os.urandom(32), os.urandom(32)
+    tx, rx = Seal(key_a, key_b), Seal(key_b, key_a)
+    header, body = os.urandom(16), os.urandom(max(frame_bytes, 1))
+    n, t0 = 0, time.process_time()
+    while time.process_time() - t0 < min_seconds:
+        rx.open(header, tx.seal(header, body), "bench")
+        n += 1
+    return (time.process_time() - t0) / (n * len(body))
+
+
+def record_layer_share(runs: dict, tp_unsealed: float, micro: int, n: int) -> dict:
+    """Per stage: seal + open CPU seconds per micro-batch, and its share of the pipeline's time per
+    micro-batch (micro / unsealed samples/s)."""
+    per_mb_s = micro / tp_unsealed if tp_unsealed else None
+    out = {}
+    for k in range(n):
+        moved = statistics.median(r["stages"][k]["link_bytes_per_micro_batch"] for r in runs["sealed"])
+        # the bytes as one frame, plus a small frame's fixed cost for each of FRAMES_PER_MICRO_BATCH
+        # (h in and out, CREDITs, TELEMETRY, ACKs: fewer than that on every stage)
+        cpu = moved * seal_open_seconds_per_byte(int(moved)) + FRAMES_PER_MICRO_BATCH * 64 * seal_open_seconds_per_byte(64)
+        out[k] = {"bytes_per_micro_batch": moved, "seal_open_s": cpu, "share": cpu / per_mb_s if per_mb_s else None}
     return out
 
 
@@ -77,10 +114,17 @@ def main(argv=None) -> int:
     steps = {m: {k: statistics.median([x["stages"][k]["step_s"] for x in runs[m] if x["stages"][k]["step_s"]])
                  for k in range(n)} for m in runs}
     cost = 1 - tp["sealed"] / tp["unsealed"] if tp["unsealed"] else None
+    layer = record_layer_share(runs, tp["unsealed"], ex["micro_batch"], n)
+    bound = max((v["share"] or 0) for v in layer.values())
     summary = {"program": str(program), "runtime": a.runtime, "stages": n, "micro_batch": ex["micro_batch"],
                "seq_len": ex["seq_len"], "rounds": a.rounds, "windows": a.windows, "window": a.window,
-               "samples_per_s": tp, "step_s": steps, "throughput_cost": cost, "runs": runs}
+               "samples_per_s": tp, "step_s": steps, "throughput_cost": cost,
+               "record_layer": layer, "record_layer_bound": bound, "runs": runs}
     print(f"samples/s: sealed {tp['sealed']:.3f}, unsealed {tp['unsealed']:.3f}; cost {cost * 100:+.2f}% (target <= 2%)")
+    for k, v in layer.items():
+        print(f"stage {k}: record layer {v['bytes_per_micro_batch'] / 1024:.0f} KiB per micro-batch, seal + open "
+              f"{v['seal_open_s'] * 1e3:.3f} ms CPU = {v['share'] * 100:.3f}% of the pipeline's time per micro-batch")
+    print(f"the record layer's bound on the throughput cost: {bound * 100:.3f}% (target <= 2%)")
     for k in range(n):
         print(f"stage {k}: step sealed {steps['sealed'][k] * 1e3:.1f} ms, unsealed {steps['unsealed'][k] * 1e3:.1f} ms")
     a.out.parent.mkdir(parents=True, exist_ok=True)
