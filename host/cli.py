@@ -12,7 +12,7 @@ console = Console(stderr=True, soft_wrap=True)
 
 
 from .cli_error import CliError  # noqa: E402,F401  (one class, wherever a command raises it)
-from .run_config import HELD_OUT  # noqa: E402
+from .run_config import add_run_options  # noqa: E402
 
 
 # ---------------------------------------------------------------- devices / emulate
@@ -103,55 +103,6 @@ def _trained_micro_batches(run_dir: Path) -> int:
 
 
 # ---------------------------------------------------------------- main
-def _positive(text: str) -> float:
-    v = float(text)
-    if v <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return v
-
-
-def _fraction(text: str) -> float:
-    v = float(text)
-    if not 0 <= v < 1:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {text}")
-    return v
-
-
-def _per_stage(text: str, example: str, ok, refusal: str) -> float | list:
-    """'x' -> x; 'x0,x1,...' -> one per stage; each value must pass `ok`, else `refusal` (with {v})."""
-    try:
-        vals = [float(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number or one per stage ({example}), got {text}") from None
-    bad = [v for v in vals if not ok(v)]
-    if bad:
-        raise argparse.ArgumentTypeError(refusal.format(v=f"{bad[0]:g}"))
-    return vals[0] if len(vals) == 1 else vals
-
-
-def _alphas(text: str) -> float | list:
-    """'0.5' -> 0.5; '0.5,0.75,1' -> [0.5, 0.75, 1.0]; each in [0, 1]."""
-    return _per_stage(text, "0.5,0.75,1", lambda v: 0 <= v <= 1,
-                      "{v} is outside [0, 1]: the local loss is alpha*CE + (1-alpha)*KL")
-
-
-def _lrs(text: str) -> float | list:
-    """'2e-3' -> 0.002; '0,0,3e-3' -> one per stage; each in [0, 100], as the phones' STAGE_ASSIGN rule
-    (0: a forward-only stage); some stage must train."""
-    lrs = _per_stage(text, "0,0,3e-3", lambda v: 0 <= v <= 100,
-                     "{v} is not a learning rate: give values from 0 (a forward-only stage) to 100")
-    if not any(lrs if isinstance(lrs, list) else [lrs]):
-        raise argparse.ArgumentTypeError(f"{text}: every stage would be forward-only; give some stage an LR above 0")
-    return lrs
-
-
-def _non_negative(text: str) -> float:
-    v = float(text)
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return v
-
-
 def add_generation_args(v) -> None:
     """eval's (and finetune's) options for the generated answers."""
     v.add_argument("--show", type=int, default=3, metavar="N",
@@ -184,69 +135,14 @@ def build_parser():
                         "its own (needs root and the cgroup cpu controller)")
     e.set_defaults(func=cmd_emulate)
     r = sub.add_parser("run", help="train: ZeroLock over the phones")
-    r.add_argument("--program", help="zl-export output dir")
-    r.add_argument("--data", default=None,
-                   help="AG News CSV, JSONL, or wordnet[:validation|test] (WordNet noun glosses by category); "
-                        "omit for the tiny model's synthetic set")
-    r.add_argument("--devices", default="auto", help="auto | emulated:N | NAME,NAME,...")
-    r.add_argument("--steps", type=int, default=8, help="optimizer steps (update windows)")
-    r.add_argument("--epochs", type=float, default=None, help="instead of --steps: passes over the training data")
-    r.add_argument("--micro-batches", type=int, default=None, help="instead of --steps: total micro-batches")
-    r.add_argument("--window", type=int, default=4, help="micro-batches per update window")
-    r.add_argument("--held-out", type=_fraction, default=HELD_OUT,
-                   help="fraction of the micro-batches kept out of training, the last ones (default %(default)s; "
-                        "0: train on all, for data split beforehand)")
-    r.add_argument("--inflight", type=int, default=2, help="hidden states in flight between neighbours")
-    r.add_argument("--replay-horizon", type=int, default=None,
-                   help="most hidden states a stage holds for its downstream's replay; when full it waits for the "
-                        "downstream to commit (default 2 x window + in-flight depth; at least one window)")
-    r.add_argument("--lr", type=_lrs, default=2e-3,
-                   help="AdamW's learning rate: one value, or one per stage (3e-4,3e-4,3e-3: the early stages slower; "
-                        "0,0,3e-3: stages 0 and 1 forward-only, phase 1 only, their LoRA left at the init)")
-    r.add_argument("--alpha", type=_alphas, default=None,
-                   help="override the export's task/consistency blend: one value, or one per stage (0.5,0.75,1: more "
-                        "task weight deeper down, which measured best on SmolLM2; docs/BENCHMARKS.md, Quality)")
-    r.add_argument("--out", default=None, help="run dir (default runs/TIMESTAMP)")
-    r.add_argument("--resume", default=None, help="continue the run in RUN_DIR")
-    r.add_argument("--tokens", default=None, help="JSON file NAME -> pairing token")
-    r.add_argument("--wait", type=float, default=30.0, help="seconds to wait for enough devices")
-    r.add_argument("--mdns", default="loopback", help="interfaces to browse: loopback, all, or an IPv4 address")
-    r.add_argument("--adb-data-port", type=int, default=47475,
-                   help="port an adb phone's stage listens on for its upstream link (forwarded by the host; "
-                        "0: the phone picks one and reports it)")
-    r.add_argument("--adb-staging", default="/data/local/tmp/zerolock",
-                   help="phone dir adb pushes into before run-as copies into the app's files")
-    r.add_argument("--link-mbit", type=_positive, default=None,
-                   help="with --devices emulated:N: each phone's link rate per direction (its own network "
-                        "namespace where the machine allows it, else the transport's rate limiter)")
-    r.add_argument("--link-delay-ms", type=_non_negative, default=0.0,
-                   help="with --devices emulated:N: one-way latency of each phone's link")
-    r.add_argument("--cpu-share", default=None, metavar="F|F1,F2,...",
-                   help="with --devices emulated:N: hold each phone to this share of one CPU core (one value, or one "
-                        "per phone), in a cgroup of its own (needs root and the cgroup cpu controller)")
-    r.add_argument("--heartbeat-timeout", type=float, default=5.0)
-    r.add_argument("--recovery", choices=["local", "global-rollback"], default="local",
-                   help="local replay (ZeroLock) or the global rollback a BP pipeline needs (baseline)")
-    r.add_argument("--inject-failure", action="append", help="stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint]"
-                        "[,mode=process|app][,detect=connection|heartbeat]: kill the phone process, or fail the stage "
-                        "inside the running phone (which then drops the session or goes silent); or "
-                        "stage=K,point=slow-phase1,seconds=S: a slower phone (tests, benchmarks)")
+    add_run_options(r)  # host/run_config.py: each option's one definition
     r.set_defaults(func=cmd_run)
-    r.add_argument("--plan", default=None, help="a zl-host plan file: its chunks (the export must match) on its "
-                                                "phones, and a report when the stage times drift from it")
-    r.add_argument("--drift-margin", type=_positive, default=0.15,
-                   help="with --plan: report when the slowest stage is this far off the plan (0.15: 15%%)")
-    r.add_argument("--runtime", default=None, metavar="python|kotlin|R1,R2,...",
-                   help="with --devices emulated:N: what the phones run, python (zl-phone, default) or kotlin (the "
-                        "app's core on the JVM, on ExecuTorch's C++ runtime); one for all or one per phone")
-    r.add_argument("--mem-limit", default=None, help="with --devices emulated:N: each phone's memory limit "
-                                                     "(zl-phone --mem-limit), one for all or A,B,...")
     from .plan_cli import add_parsers
     add_parsers(sub)
     from .export_run import add_parser as add_export_parser
     add_export_parser(sub)
     from .finetune import add_parser as add_finetune_parser
-    add_finetune_parser(sub, add_generation_args, _lrs, _fraction, _alphas)
+    add_finetune_parser(sub, add_generation_args)
     v = sub.add_parser("eval", help="held-out NLL, accuracy, and generated answers' exact match and F1 with the trained adapter")
     v.add_argument("--program", required=True)
     v.add_argument("--adapter", required=True)

@@ -48,6 +48,7 @@ from zl_mobile.stage_core import FAILURE_POINTS, Faults, StageCore, present
 from zl_mobile.telemetry import read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
 from .plan import RunSettings
+from .run_config import add_run_options
 
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "zerobubble")
 STORE = None  # this attempt's rendezvous store (commit notices go through it)
@@ -63,11 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--program", required=True, help="zl-export output dir (exported with --eager-weights)")
     p.add_argument("--data", default=None, help="AG News CSV or JSONL; omit for the tiny model's synthetic set")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps (update windows)")
-    p.add_argument("--epochs", type=float, default=None, help="instead of --steps: passes over the training data")
-    p.add_argument("--micro-batches", type=int, default=None, help="instead of --steps: total micro-batches")
-    p.add_argument("--window", type=int, default=4, help="micro-batches per update window")
-    p.add_argument("--inflight", type=int, default=2, help="hidden states in flight per link (sends and preposted receives)")
+    add_run_options(p, ["steps", "epochs", "micro_batches", "window"])  # zl-host run's definitions
+    p.add_argument("--inflight", type=int, default=RunSettings.inflight_depth,
+                   help="hidden states in flight per link (sends and preposted receives)")
     p.add_argument("--lr", type=float, default=RunSettings.lr)
     p.add_argument("--weight-decay", type=float, default=RunSettings.weight_decay,
                    help="AdamW weight decay (zl-host run's default)")

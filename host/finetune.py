@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 
 from .cli_error import CliError
-from .run_config import HELD_OUT
+from .run_config import add_run_options
 
 console = Console(stderr=True, soft_wrap=True)
 STEPS = 4
@@ -30,16 +30,16 @@ SEQ_ROUND, SEQ_MAX = 16, 512  # --seq-len auto: a multiple of 16, never more tha
 DEFAULT_CACHE = Path(os.environ.get("ZL_EXPORT_CACHE", Path.home() / ".cache" / "zerolock" / "exports"))
 
 
-def add_parser(sub, add_generation_args, lrs, fraction, alphas) -> None:
+def add_parser(sub, add_generation_args) -> None:
     f = sub.add_parser("finetune", help="export (cached), train on the phones, evaluate and write the adapters: one command",
                        description=__doc__.split("\n", 1)[1])
     f.add_argument("--model", required=True, help="as zl-export --model: a HF Llama dir, FILE.gguf, smollm2 or tiny")
     f.add_argument("--data", required=True, help="chat JSONL ({\"messages\": [...]}), prompt/completion or text JSONL, "
                                                  "AG News CSV, or wordnet[-reverse][:split]")
-    f.add_argument("--devices", default="auto", help="auto | emulated:N | NAME,NAME,...")
+    add_run_options(f, ["devices"])
     f.add_argument("--chunks", default=None, help="layer ranges, one per phone (default: the layers split evenly over "
                                                   "N phones for emulated:N or a name list, else over 3)")
-    f.add_argument("--out", default=None, help="run dir (default runs/TIMESTAMP)")
+    add_run_options(f, ["out"])
     f.add_argument("--cache", default=str(DEFAULT_CACHE), help="export cache (default %(default)s; $ZL_EXPORT_CACHE)")
     f.add_argument("--seq-len", default="auto", help="as zl-export's, or auto (default): the longest row's tokens "
                                                      f"rounded up to {SEQ_ROUND}, at most {SEQ_MAX}")
@@ -51,14 +51,9 @@ def add_parser(sub, add_generation_args, lrs, fraction, alphas) -> None:
     f.add_argument("--base-weights", default="fp32", help="as zl-export's: fp32, int8 or int4")
     f.add_argument("--backend", default="xnnpack", help="as zl-export's: xnnpack or portable")
     f.add_argument("--readout", default="auto", help="as zl-export's; a lens is calibrated on --data")
-    f.add_argument("--steps", type=int, default=8, help="optimizer steps (update windows)")
-    f.add_argument("--epochs", type=float, default=None, help="instead of --steps: passes over the training data")
-    f.add_argument("--window", type=int, default=4, help="micro-batches per update window")
-    f.add_argument("--lr", type=lrs, default=2e-3, help="AdamW's learning rate, one value or one per stage")
-    f.add_argument("--held-out", type=fraction, default=HELD_OUT,
-                   help="share of D kept out of training and evaluated on (default %(default)s)")
-    f.add_argument("--alpha", type=alphas, default=None, help="as zl-host run's: the task/consistency blend, one value "
-                                                                "or one per stage")
+    # zl-host run's definitions (host/run_config.py); --held-out is also what is evaluated on
+    add_run_options(f, ["steps", "epochs", "window", "lr", "held_out", "alpha"],
+                    help={"held_out": "share of D kept out of training and evaluated on (default %(default)s)"})
     add_generation_args(f)
     f.set_defaults(func=cmd_finetune)
 

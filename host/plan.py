@@ -8,6 +8,9 @@ class PlanError(Exception):
     pass
 
 
+RECOVERIES = ("local", "global-rollback")  # local replay (ZeroLock) or the BP baseline's global rollback
+
+
 @dataclass
 class RunSettings:
     windows: int = 8              # optimizer steps (update windows)
@@ -21,7 +24,7 @@ class RunSettings:
     compute_timeout: float = 600.0  # a single runtime call (phase 1 or 2) may keep a stage silent this long
     rejoin_timeout: float = 60.0  # how long to wait for a failed real phone to come back
     inject_failure: list | None = None  # [{"stage": K, "window": W, "point": ...}, ...]
-    recovery: str = "local"       # or "global-rollback"
+    recovery: str = RECOVERIES[0]  # or "global-rollback"
     schedule: str = "zerolock"    # or a BP baseline: gpipe, 1f1b, pipedream
     max_seconds: float | None = None  # give up (with a clear error) if the run takes longer
     # no stage progressed this long: stop, saying where each stands (default 3x compute_timeout)

@@ -10,6 +10,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from .run_config import add_run_options
+
 out_console = Console(soft_wrap=True)
 if not out_console.is_terminal:  # a pipe or a log: wide enough that the tables keep one line a row
     out_console = Console(soft_wrap=True, width=160)
@@ -287,16 +289,14 @@ def add_parsers(sub) -> None:
     p.add_argument("--mem-limit", default=None, help="with emulated:N: each phone's memory limit, one for all or A,B,...")
     p.add_argument("--cpu-share", default=None, help="with emulated:N: each phone's share of one core, one for all or "
                                                      "F1,F2,... (zl-phone --cpu-share)")
-    p.add_argument("--tokens", default=None, help="JSON file NAME -> pairing token")
-    p.add_argument("--wait", type=float, default=30.0)
-    p.add_argument("--mdns", default="loopback")
+    add_run_options(p, ["tokens", "wait", "mdns"])  # as zl-host run's (host/run_config.py)
     p.set_defaults(func=cmd_profile)
 
     q = sub.add_parser("plan", help="split the model over the profiled phones so the slowest stage is fastest")
     q.add_argument("--devices", default="auto", help="auto (every profile) | emulated:N | NAME,NAME,...")
     q.add_argument("--profiles", default="profiles", help="folder zl-host profile wrote")
     export_flags(q)
-    q.add_argument("--window", type=int, default=4, help="micro-batches per update window (the step is shared out)")
+    add_run_options(q, ["window"], help={"window": "micro-batches per update window (the step is shared out)"})
     q.add_argument("--schedule", choices=["zerolock", "gpipe", "1f1b", "pipedream"], default="zerolock",
                    help="what the stages hold (held activations)")
     q.add_argument("--link-mbit", type=float, default=None, help="link rate to plan with instead of the measured one")

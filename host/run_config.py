@@ -1,53 +1,101 @@
 """What `zl-host run` is asked to do, as one object: built from the command line (`from_args`) or
 in code (benches, tests) with the same names and defaults, and checked before anything starts.
-The run itself (host/run_job.py) takes only this object, as peft's models take their configs."""
+The run itself (host/run_job.py) takes only this object, as peft's models take their configs.
+
+Each field is the one definition of its option: default, value parser and help text; the parser
+of `zl-host run` is made from them (`add_run_options`), and `zl-host finetune` takes the ones it
+shares. The training settings the coordinator also needs (steps, window, LR, ...) take their
+defaults from host/plan.py's RunSettings, so the command line and code agree."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 
 from .cli_error import CliError
+from .option_types import alphas, fraction, lrs, non_negative, positive
+from .plan import RECOVERIES, RunSettings
 
 HELD_OUT = 0.2  # the default share of the data kept out of training (the last micro-batches)
 
 
+def option(default, help: str | None = None, *, type=None, metavar: str | None = None, choices=None,
+           append: bool = False):
+    """A RunConfig field that is also `--name` on the command line (underscores become dashes)."""
+    meta = {"help": help, "type": type, "metavar": metavar, "choices": choices, "append": append}
+    if append:  # repeatable: the parser collects a list (None when never given)
+        return field(default_factory=list, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+_EMULATED = "with --devices emulated:N: "
+
+
 @dataclass
 class RunConfig:
-    program: str | None = None        # zl-export output dir (None only with resume)
-    data: str | None = None           # AG News CSV, JSONL, wordnet[:split]; None: the tiny model's synthetic set
-    devices: str = "auto"             # auto | emulated:N | NAME,... | SERIAL,...
-    steps: int = 8                    # optimizer steps (update windows) ...
-    epochs: float | None = None       # ... or passes over the training data ...
-    micro_batches: int | None = None  # ... or total micro-batches
-    window: int = 4                   # micro-batches per update window
-    held_out: float = HELD_OUT
-    inflight: int = 2
-    replay_horizon: int | None = None
-    lr: float | list = 2e-3  # one value or one per stage
-    alpha: float | list | None = None  # override of the export's alpha: one value or one per stage
-    out: str | None = None             # run dir (default runs/TIMESTAMP)
-    resume: str | None = None          # continue the run in this dir (its run.json wins over the rest)
-    tokens: str | None = None          # JSON file NAME -> pairing token
-    wait: float = 30.0
-    mdns: str = "loopback"
-    adb_data_port: int = 47475
-    adb_staging: str = "/data/local/tmp/zerolock"
-    link_mbit: float | None = None     # emulated phones: link rate per direction ...
-    link_delay_ms: float = 0.0         # ... and one-way latency
-    cpu_share: str | None = None       # emulated phones: F or F1,...,FN of one core
-    mem_limit: str | None = None       # emulated phones: one limit or one per phone
-    runtime: str | None = None         # emulated phones: python | kotlin, or one per phone (host/kotlin_phone.py)
-    heartbeat_timeout: float = 5.0
-    recovery: str = "local"            # or global-rollback (the BP baseline's)
-    inject_failure: list[str] = field(default_factory=list)
-    plan: str | None = None            # a zl-host plan file
-    drift_margin: float = 0.15
+    program: str | None = option(None, "zl-export output dir")  # None only with resume
+    data: str | None = option(None, "AG News CSV, JSONL, or wordnet[:validation|test] (WordNet noun glosses by category); "
+                                    "omit for the tiny model's synthetic set")
+    devices: str = option("auto", "auto | emulated:N | NAME,NAME,...")  # or SERIAL,...
+    steps: int = option(RunSettings.windows, "optimizer steps (update windows)", type=int)
+    epochs: float | None = option(None, "instead of --steps: passes over the training data", type=float)
+    micro_batches: int | None = option(None, "instead of --steps: total micro-batches", type=int)
+    window: int = option(RunSettings.window_size, "micro-batches per update window", type=int)
+    held_out: float = option(HELD_OUT, "fraction of the micro-batches kept out of training, the last ones (default "
+                                       "%(default)s; 0: train on all, for data split beforehand)", type=fraction)
+    inflight: int = option(RunSettings.inflight_depth, "hidden states in flight between neighbours", type=int)
+    replay_horizon: int | None = option(
+        RunSettings.replay_horizon, "most hidden states a stage holds for its downstream's replay; when full it waits "
+        "for the downstream to commit (default 2 x window + in-flight depth; at least one window)", type=int)
+    lr: float | list = option(RunSettings.lr, "AdamW's learning rate: one value, or one per stage (3e-4,3e-4,3e-3: the "
+                                              "early stages slower; 0,0,3e-3: stages 0 and 1 forward-only, phase 1 only, "
+                                              "their LoRA left at the init)", type=lrs)
+    alpha: float | list | None = option(
+        RunSettings.alpha, "override the export's task/consistency blend: one value, or one per stage (0.5,0.75,1: more "
+        "task weight deeper down, which measured best on SmolLM2; docs/BENCHMARKS.md, Quality)", type=alphas)
+    out: str | None = option(None, "run dir (default runs/TIMESTAMP)")
+    resume: str | None = option(None, "continue the run in RUN_DIR")  # its run.json wins over the rest
+    tokens: str | None = option(None, "JSON file NAME -> pairing token")
+    wait: float = option(30.0, "seconds to wait for enough devices", type=float)
+    mdns: str = option("loopback", "interfaces to browse: loopback, all, or an IPv4 address")
+    adb_data_port: int = option(47475, "port an adb phone's stage listens on for its upstream link (forwarded by the "
+                                       "host; 0: the phone picks one and reports it)", type=int)
+    adb_staging: str = option("/data/local/tmp/zerolock", "phone dir adb pushes into before run-as copies into the "
+                                                          "app's files")
+    link_mbit: float | None = option(None, _EMULATED + "each phone's link rate per direction (its own network namespace "
+                                     "where the machine allows it, else the transport's rate limiter)", type=positive)
+    link_delay_ms: float = option(0.0, _EMULATED + "one-way latency of each phone's link", type=non_negative)
+    cpu_share: str | None = option(None, _EMULATED + "hold each phone to this share of one CPU core (one value, or one "
+                                   "per phone), in a cgroup of its own (needs root and the cgroup cpu controller)",
+                                   metavar="F|F1,F2,...")
+    heartbeat_timeout: float = option(RunSettings.heartbeat_timeout, type=float)
+    recovery: str = option(RunSettings.recovery, "local replay (ZeroLock) or the global rollback a BP pipeline needs "
+                                                 "(baseline)", choices=list(RECOVERIES))
+    inject_failure: list[str] = option(
+        None, "stage=K,window=W[,point=after-phase1|before-commit|mid-checkpoint][,mode=process|app]"
+        "[,detect=connection|heartbeat]: kill the phone process, or fail the stage inside the running phone (which "
+        "then drops the session or goes silent); or stage=K,point=slow-phase1,seconds=S: a slower phone (tests, "
+        "benchmarks)", append=True)
+    plan: str | None = option(None, "a zl-host plan file: its chunks (the export must match) on its phones, and a "
+                                    "report when the stage times drift from it")
+    drift_margin: float = option(0.15, "with --plan: report when the slowest stage is this far off the plan (0.15: "
+                                       "15%%)", type=positive)
+    runtime: str | None = option(None, _EMULATED + "what the phones run, python (zl-phone, default) or kotlin (the app's "
+                                 "core on the JVM, on ExecuTorch's C++ runtime); one for all or one per phone",
+                                 metavar="python|kotlin|R1,R2,...")
+    mem_limit: str | None = option(None, _EMULATED + "each phone's memory limit (zl-phone --mem-limit), one for all "
+                                                     "or A,B,...")
 
     @classmethod
     def from_args(cls, a: argparse.Namespace) -> "RunConfig":
         """The options `zl-host run` parsed; anything the parser lacks keeps its default."""
         given = {f.name: getattr(a, f.name) for f in fields(cls) if getattr(a, f.name, None) is not None}
         return cls(**given)
+
+    def settings(self, train_micro_batches: int) -> RunSettings:
+        """The coordinator's settings of a new run over `train_micro_batches` micro-batches."""
+        return RunSettings(windows=self.windows_for(train_micro_batches), window_size=self.window, lr=self.lr,
+                           alpha=self.alpha, inflight_depth=self.inflight, heartbeat_timeout=self.heartbeat_timeout,
+                           inject_failure=self.failures(), recovery=self.recovery, replay_horizon=self.replay_horizon)
 
     def windows_for(self, train_micro_batches: int) -> int:
         """Update windows to run: --steps, or as many as --micro-batches or --epochs take."""
@@ -65,6 +113,23 @@ class RunConfig:
 
     def failures(self) -> list[dict]:
         return parse_failures(self.inject_failure)
+
+
+def add_run_options(parser: argparse.ArgumentParser, names: list[str] | None = None,
+                    help: dict[str, str] | None = None) -> None:
+    """`--name` for each RunConfig field (all, or `names` in that order), from its definition;
+    `help` rewords an option for another command (zl-host finetune's --held-out)."""
+    by_name = {f.name: f for f in fields(RunConfig)}
+    for name in names or list(by_name):
+        f = by_name[name]
+        m = f.metadata
+        kw = {"help": (help or {}).get(name, m["help"])}
+        if m["append"]:
+            kw["action"] = "append"
+        else:
+            kw["default"] = None if f.default is MISSING else f.default
+            kw.update({k: m[k] for k in ("type", "metavar", "choices") if m[k] is not None})
+        parser.add_argument("--" + name.replace("_", "-"), **kw)
 
 
 def emulated_count(spec: str) -> int:

@@ -122,10 +122,7 @@ def resolve(cfg: RunConfig) -> Job:
         raise CliError(str(e)) from None
     train, _ = split_held_out(prepare_data(program, manifest, data, warn=say), held_out)
     if settings is None:
-        settings = RunSettings(windows=cfg.windows_for(len(train)), window_size=cfg.window, lr=cfg.lr, alpha=cfg.alpha,
-                               inflight_depth=cfg.inflight, heartbeat_timeout=cfg.heartbeat_timeout,
-                               inject_failure=cfg.failures(), recovery=cfg.recovery,
-                               replay_horizon=cfg.replay_horizon)
+        settings = cfg.settings(len(train))
     job = Job(program, data, devices, held_out, run_id, run_dir, manifest, train, settings, links, saved)
     job.plan_path = saved.get("plan") if cfg.resume else cfg.plan  # a resumed run keeps its stage order
     if job.plan_path:

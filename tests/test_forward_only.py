@@ -15,11 +15,11 @@ W, WINDOWS = 2, 3
 
 
 def test_lr_zero_is_forward_only_in_the_settings():
-    from host.cli import _lrs
+    from host.option_types import lrs
 
-    assert _lrs("0,0,3e-3") == [0.0, 0.0, 3e-3]
+    assert lrs("0,0,3e-3") == [0.0, 0.0, 3e-3]
     with pytest.raises(argparse.ArgumentTypeError, match="forward-only"):
-        _lrs("0,0,0")  # nothing would train
+        lrs("0,0,0")  # nothing would train
     assert RunSettings(lr=[0.0, 0.0, 3e-3]).forward_only_stages(3) == [0, 1]
     with pytest.raises(PlanError, match="forward-only"):  # BP needs every stage's backward
         RunSettings(lr=[0.0, 0.0, 3e-3], schedule="1f1b").checked_per_stage(3)
