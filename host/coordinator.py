@@ -153,19 +153,18 @@ class Coordinator:
     def _assign(self, st: StageState, rollback_to: int | None = None) -> None:
         s = self.settings
         nxt = self.stages[st.k + 1] if st.k + 1 < len(self.stages) else None
-        conf = {"lr": s.lr_for(st.k), "weight_decay": s.weight_decay, "total_micro_batches": s.micro_batches,
-                "busy_ms": int(s.compute_timeout * 1000)}
+        # every field is sent, so no device default decides a run (PROTOCOL.md 5.3); only
+        # keep_checkpoints is left to the device unless the run needs more (the Kotlin core keeps one)
+        conf = {"lr": s.lr_for(st.k), "weight_decay": s.weight_decay, "alpha": s.alpha_for(st.k),
+                "total_micro_batches": s.micro_batches, "busy_ms": int(s.compute_timeout * 1000),
+                "restart": False, "rollback_to_window": None,
+                "inject_failure": [{"window": f.get("window"), "point": f.get("point", "after-phase1"),
+                                    **{k: f[k] for k in ("seconds", "mode", "detect") if k in f}}
+                                   for f in (s.inject_failure or []) if f.get("stage") == st.k]}
         if s.recovery == "global-rollback":  # every stage must still hold the last globally consistent checkpoint
             conf["keep_checkpoints"] = self.horizon // s.window_size + 3
         if s.keep_checkpoints:
             conf["keep_checkpoints"] = max(conf.get("keep_checkpoints", 0), s.keep_checkpoints)
-        if s.alpha_for(st.k) is not None:
-            conf["alpha"] = s.alpha_for(st.k)
-        mine = [{"window": f.get("window"), "point": f.get("point", "after-phase1"),
-                 **{k: f[k] for k in ("seconds", "mode", "detect") if k in f}}
-                for f in (s.inject_failure or []) if f.get("stage") == st.k]
-        if mine:
-            conf["inject_failure"] = mine
         st.meta = {
             "run_id": self.run_id, "stage": st.k, "num_stages": len(self.stages),
             "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
@@ -180,8 +179,7 @@ class Coordinator:
         elif self.sink is not None:
             st.meta["downstream"], st.meta["downstream_token"] = self.sink.address(st.client), self.sink.token
         listen = self.links.listen_port(st.device) if self.links is not None else None
-        if listen is not None:
-            st.meta["listen_port"] = listen
+        st.meta["listen_port"] = listen or 0  # 0: any port, the device says which in its ACK
         meta = st.meta
         if rollback_to is not None:
             meta = {**meta, "config": {**conf, "restart": True, "rollback_to_window": rollback_to}}

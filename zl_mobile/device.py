@@ -287,17 +287,17 @@ class Device:
             raise self._reject(msg, f"STAGE_ASSIGN for stage {k} lacks upstream_token: the stage needs the pairing "
                                     "token of its upstream link (section 6) to accept it")
         cfg = StageConfig.from_assign(meta)
-        same = (self.stage is not None and self.stage_meta is not None and not (meta.get("config") or {}).get("restart")
+        same = (self.stage is not None and self.stage_meta is not None and not cfg.restart
                 and self.stage_meta.get("run_id") == meta.get("run_id") and self.stage_meta["stage"] == k)
         if same:  # a rewire after a neighbour restarted: keep the running stage
             self.stage.rewire(cfg.downstream)
         else:
-            listener = self._listener(msg, meta.get("listen_port", 0))  # before anything is stopped or created
+            listener = self._listener(msg, cfg.listen_port)  # before anything is stopped or created
             self.stop_stage()
             try:
                 self.stage = Stage(self.files, chunk, manifest["export"], cfg, self.workdir,
                                    to_host=self.send_to_host, limiter=self.limiter,
-                                   data_port=meta.get("listen_port", 0), bind=self.bind,
+                                   data_port=cfg.listen_port, bind=self.bind,
                                    load_program=self.backend.load, link_delay=self.link_delay,
                                    on_failure=self._stage_failed, listener=listener, io_s=self.limits.io_s)
             except ProgramError as e:

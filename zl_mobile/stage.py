@@ -38,41 +38,45 @@ from .telemetry import PssSampler, read_pss_by_backing, read_pss_bytes, read_tem
 log = logging.getLogger("zl_mobile.stage")
 
 
+# where each StageConfig field sits in STAGE_ASSIGN: top level, or inside its `config` object
+_ASSIGN_KEYS = ("run_id", "downstream_token", "downstream", "window_size", "inflight_depth", "replay_horizon",
+                "schedule", "listen_port")
+_CONFIG_KEYS = ("lr", "weight_decay", "alpha", "keep_checkpoints", "total_micro_batches", "rollback_to_window",
+                "inject_failure", "busy_ms", "restart")
+
+
 @dataclass
 class StageConfig:
-    """What STAGE_ASSIGN tells a device (see docs/PROTOCOL.md 5.3)."""
-    run_id: str
+    """What STAGE_ASSIGN tells a device (see docs/PROTOCOL.md 5.3). The defaults are what the device
+    takes for a key the assignment leaves out; the host sends every key (but keep_checkpoints), so
+    they decide nothing in a zl-host run. tests/vectors/stage_assign/stage_assign_defaults.json pins
+    them, and the Kotlin core's StageAssignment passes the same file."""
     stage: int
     num_stages: int
     upstream_token: str
+    run_id: str = "run"
     downstream_token: str | None = None
     downstream: str | None = None
     window_size: int = 4
     inflight_depth: int = 2
     replay_horizon: int = 16
     schedule: str = "zerolock"
-    lr: float = 1e-3
+    listen_port: int = 0  # 0: any port (the ACK says which)
+    lr: float = 2e-3  # zl-host run's default (host/plan.py RunSettings)
     weight_decay: float = 0.0
     alpha: float | None = None  # None: the export's default
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = 2  # this device's own count; the Kotlin core keeps 1
     total_micro_batches: int | None = None
     rollback_to_window: int | None = None  # global-rollback baseline: restart from this window's checkpoint
-    inject_failure: list | None = None  # [{"window": W, "point": one of FAILURE_POINTS}, ...]
+    inject_failure: list | None = field(default_factory=list)  # [{"window": W, "point": one of FAILURE_POINTS}, ...]
     busy_ms: int = 600_000  # the longest a runtime call may keep this stage silent (HEARTBEAT busy_ms)
-    extra: dict = field(default_factory=dict)
+    restart: bool = False  # start afresh even when this device runs the same run_id and stage
 
     @classmethod
     def from_assign(cls, meta: dict) -> "StageConfig":
-        conf = dict(meta.get("config") or {})
-        return cls(run_id=meta.get("run_id", "run"), stage=meta["stage"], num_stages=meta["num_stages"],
-                   upstream_token=meta["upstream_token"], downstream_token=meta.get("downstream_token"),
-                   downstream=meta.get("downstream"), window_size=meta.get("window_size", 4),
-                   inflight_depth=meta.get("inflight_depth", 2), replay_horizon=meta.get("replay_horizon", 16),
-                   schedule=meta.get("schedule", "zerolock"), lr=conf.get("lr", 1e-3),
-                   weight_decay=conf.get("weight_decay", 0.0), alpha=conf.get("alpha"),
-                   keep_checkpoints=conf.get("keep_checkpoints", 2), total_micro_batches=conf.get("total_micro_batches"),
-                   rollback_to_window=conf.get("rollback_to_window"),
-                   inject_failure=conf.get("inject_failure"), busy_ms=conf.get("busy_ms", 600_000))
+        conf = meta.get("config") or {}
+        given = {**{k: meta[k] for k in _ASSIGN_KEYS if k in meta}, **{k: conf[k] for k in _CONFIG_KEYS if k in conf}}
+        return cls(stage=meta["stage"], num_stages=meta["num_stages"], upstream_token=meta["upstream_token"], **given)
 
 
 class Stage:

@@ -7,10 +7,16 @@ import org.junit.jupiter.api.DynamicTest
 import org.junit.jupiter.api.Test
 import org.junit.jupiter.api.TestFactory
 import org.zerolock.core.device.StageAssignRules
+import org.zerolock.core.device.StageAssignment
 import org.zerolock.core.protocol.ErrorCode
+import org.zerolock.core.protocol.Message
+import org.zerolock.core.protocol.MsgType
 import org.zerolock.core.protocol.ProtocolException
 
-/** tests/vectors/stage_assign/stage_assign_rules.json: the cases zl_mobile/assign_rules.py passes too. */
+/**
+ * tests/vectors/stage_assign/stage_assign_rules.json: the cases zl_mobile/assign_rules.py passes too;
+ * stage_assign_defaults.json: what a left-out key is read as, which zl_mobile's StageConfig takes too.
+ */
 class StageAssignRulesTest {
     private val v = Json.parse(TestSupport.file("tests/vectors/stage_assign/stage_assign_rules.json").readText()).asObject()
 
@@ -55,5 +61,38 @@ class StageAssignRulesTest {
     fun `IPv6 literals are parsed without a resolver`() {
         for (ok in listOf("::1", "::", "fe80::1", "1:2:3:4:5:6:7:8", "::ffff:10.0.0.1", "2001:db8::")) assertTrue(StageAssignRules.isIpv6(ok), ok)
         for (bad in listOf("", "::zz", "1:2:3:4:5:6:7:8:9", "1::2::3", ":::", "12345::", "::1.2.3.256", "1:2:3:4:5:6:7")) assertFalse(StageAssignRules.isIpv6(bad), bad)
+    }
+
+    private val d = Json.parse(TestSupport.file("tests/vectors/stage_assign/stage_assign_defaults.json").readText()).asObject()
+
+    /** The value [a] holds for a vector key ('config.x' is config's x), as the JSON reader gives it. */
+    private fun read(a: StageAssignment, key: String): Any? = when (key) {
+        "run_id" -> a.runId
+        "downstream_token" -> a.downstreamToken
+        "window_size" -> a.windowSize.toLong()
+        "inflight_depth" -> a.inflightDepth.toLong()
+        "replay_horizon" -> a.replayHorizon.toLong()
+        "schedule" -> a.schedule
+        "listen_port" -> a.listenPort.toLong()
+        "config.lr" -> a.lr
+        "config.weight_decay" -> a.weightDecay
+        "config.alpha" -> a.alpha
+        "config.total_micro_batches" -> a.totalMicroBatches
+        "config.rollback_to_window" -> a.rollbackToWindow
+        "config.inject_failure" -> a.injectFailure
+        "config.busy_ms" -> a.busyMs
+        "config.restart" -> a.restart
+        "config.keep_checkpoints" -> a.keepCheckpoints
+        else -> throw AssertionError("stage_assign_defaults.json pins $key, which StageAssignment does not read: add it")
+    }
+
+    @Test
+    fun `a key left out takes the shared default`() {
+        val minimal = deepCopy(d["minimal"]).asObject()
+        StageAssignRules.validate(minimal) // the keys both devices require, and no more
+        val a = StageAssignment(Message(MsgType.STAGE_ASSIGN, LinkedHashMap(minimal)))
+        for ((key, want) in d["defaults"].asObject()) assertEquals(want, read(a, key), key)
+        for ((key, own) in d["device_own"].asObject()) assertEquals(own.asObject()["kotlin"], read(a, key), key)
+        a.check() // the defaults are an assignment this core runs
     }
 }

@@ -270,7 +270,7 @@ class DeviceServer(
         // a fixed listen_port is bound before the running stage stops: one that cannot be had is
         // refused with nothing stopped or created (PROTOCOL.md 5.3.1); the running stage's own port
         // is bound again by the new stage once the old one closed it
-        val port = a.listenPort ?: 0
+        val port = a.listenPort
         val bound = if (port == 0 || cur?.dataPort == port) null else try { bindListener(bindAddress, port) } catch (e: IOException) {
             return Messages.error(ErrorCode.REJECTED, "STAGE_ASSIGN listen_port: cannot listen on port $port (${e.message}); " +
                 "free the port or assign another", rid)

@@ -24,7 +24,11 @@ import java.io.File
 import java.net.InetAddress
 import java.security.MessageDigest
 
-/** The STAGE_ASSIGN parameters a stage runs with (defaults when the host omits them). */
+/**
+ * The STAGE_ASSIGN parameters a stage runs with. The defaults, for keys an assignment leaves out,
+ * are pinned by tests/vectors/stage_assign/stage_assign_defaults.json, which zl_mobile's StageConfig
+ * passes too; zl-host sends every key but keep_checkpoints, so they decide nothing in its runs.
+ */
 class StageAssignment(val msg: Message) {
     val stage: Int = msg.long("stage").toInt()
     val numStages: Int = msg.long("num_stages").toInt()
@@ -34,13 +38,14 @@ class StageAssignment(val msg: Message) {
     val windowSize: Int = (msg.longOrNull("window_size") ?: 4L).toInt()
     val inflightDepth: Int = (msg.longOrNull("inflight_depth") ?: 2L).toInt()
     val replayHorizon: Int = (msg.longOrNull("replay_horizon") ?: 16L).toInt()
-    val listenPort: Int? = msg.longOrNull("listen_port")?.toInt()
+    /** listen_port: the inbound link's port; 0: any (the ACK says which). */
+    val listenPort: Int = (msg.longOrNull("listen_port") ?: 0L).toInt()
     val upstreamToken: String? = msg.stringOrNull("upstream_token")
     val downstreamToken: String? = msg.stringOrNull("downstream_token")
     val runId: String = msg.stringOrNull("run_id") ?: "run"
     @Suppress("UNCHECKED_CAST")
     val config: Map<String, Any?> = msg.meta["config"] as? Map<String, Any?> ?: emptyMap()
-    val lr: Double = (config["lr"] as? Number)?.toDouble() ?: 1e-3
+    val lr: Double = (config["lr"] as? Number)?.toDouble() ?: 2e-3 // zl-host run's default
     val weightDecay: Double = (config["weight_decay"] as? Number)?.toDouble() ?: 0.0
     val totalMicroBatches: Long? = (config["total_micro_batches"] as? Number)?.toLong()
     /** config.alpha, the local loss weight; null: the export's ([ChunkRunner.alpha]). */
@@ -51,6 +56,12 @@ class StageAssignment(val msg: Message) {
     val injectFailure: List<FailureSpec> = FailureSpec.listOf(config["inject_failure"])
     /** config.busy_ms: how long a stalled phase may keep this stage silent (HEARTBEAT busy_ms). */
     val busyMs: Long = (config["busy_ms"] as? Number)?.toLong() ?: 600_000L
+    /** config.keep_checkpoints: this core keeps one window checkpoint per stage, and refuses more in [check]. */
+    val keepCheckpoints: Long = (config["keep_checkpoints"] as? Number)?.toLong() ?: 1L
+    /** config.rollback_to_window: the global-rollback baseline's restart point, which this core refuses in [check]. */
+    val rollbackToWindow: Long? = (config["rollback_to_window"] as? Number)?.toLong()
+    /** schedule: the pipeline schedule; this core runs only zerolock and refuses others in [check]. */
+    val schedule: String = msg.stringOrNull("schedule") ?: "zerolock"
 
     fun check() {
         StageAssignRules.validate(msg.meta) // every field, before anything is created (PROTOCOL.md 5.3.1)
@@ -65,14 +76,13 @@ class StageAssignment(val msg: Message) {
         }
         if (downstream != null && downstreamToken == null) reject("downstream_token", "downstream $downstream given without it")
         // what this core cannot do is refused, never run as something else (kotlin_app/README.md)
-        val schedule = msg.meta["schedule"] ?: "zerolock"
         if (schedule != "zerolock") {
             reject("schedule", "$schedule: this phone's core runs only the zerolock schedule; run the BP baselines on zl-phone (--runtime python)")
         }
-        val keep = (config["keep_checkpoints"] as? Number)?.toLong() ?: 1L
-        if (keep > 1 || config["rollback_to_window"] != null) {
+        val keep = keepCheckpoints
+        if (keep > 1 || rollbackToWindow != null) {
             val field = if (keep > 1) "config.keep_checkpoints" else "config.rollback_to_window"
-            reject(field, "global rollback (keep_checkpoints $keep, rollback_to_window ${config["rollback_to_window"]}) is not supported: this phone's core keeps one " +
+            reject(field, "global rollback (keep_checkpoints $keep, rollback_to_window $rollbackToWindow) is not supported: this phone's core keeps one " +
             "checkpoint per stage and recovers locally; use --recovery local, or zl-phone (--runtime python)")
         }
     }
@@ -159,7 +169,7 @@ class StageRuntime(
     val linkMaxFrame: Long = runner.linkElements?.let { org.zerolock.core.LinkRules.linkFrameLimit(it) } ?: Frames.DEFAULT_MAX_FRAME
     val inbound = InboundLink(
         "stage${assignment.stage}-in", assignment.upstreamToken!!, queue, assignment.inflightDepth,
-        nextNeeded = { queue.nextAfter(nextMicroBatch) }, port = assignment.listenPort ?: 0, bind = bind, log = log,
+        nextNeeded = { queue.nextAfter(nextMicroBatch) }, port = assignment.listenPort, bind = bind, log = log,
         listener = dataListener, maxFrame = linkMaxFrame, unusable = { m ->
             org.zerolock.core.LinkRules.unusable(m.long("micro_batch"), m.long("window"), nextMicroBatch,
                 assignment.inflightDepth, assignment.windowSize, assignment.totalMicroBatches)
