@@ -109,3 +109,30 @@ def test_the_check_sees_a_circle_and_a_reversed_import():
     finally:
         GRAPH["exporter.verify"].discard("zl_mobile.stage")
         GRAPH["host.emulate"].discard("host.cli")
+
+
+def _imported_names(path: Path):
+    """(module, name) for every `from module import name` and (module, None) for `import module`."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield from ((node.module or "", a.name) for a in node.names)
+
+
+def _bench_imports(path: Path) -> list[str]:
+    return sorted({f"{m}{'.' + n if n else ''}" for m, n in _imported_names(path)
+                   if m.split(".")[0] == "bench"})
+
+
+def test_tests_import_no_bench_module():
+    """Benchmarks are scripts, not the product: a test that needs their logic means the logic belongs in a
+    package (zl_mobile.reference holds the eager trainer the quality study runs); bench/tests/ tests bench/."""
+    bad = {str(p.relative_to(REPO)): b for p in sorted((REPO / "tests").rglob("*.py")) if (b := _bench_imports(p))}
+    assert not bad, f"tests/ importing bench/: {bad}"
+
+
+def test_the_import_check_sees_a_bench_import(tmp_path):
+    f = tmp_path / "t.py"
+    f.write_text("import bench.quality\ndef g():\n    from bench import per_hour\nfrom exporter.export import versions\n")
+    assert _bench_imports(f) == ["bench.per_hour", "bench.quality"]

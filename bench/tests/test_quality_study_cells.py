@@ -1,6 +1,7 @@
-"""bench/quality_study.py's bookkeeping, without the model: finished cells are reused, cells another
-live worker holds are left to it, a dead worker's cell is taken over, and the report says whether the
-chosen LR is inside the sweep, at its edge, or the sweep is not finished."""
+"""bench/quality_study.py's bookkeeping, without the model (beside the bench it tests: tests/ imports no
+bench module): finished cells are reused, cells another live worker holds are left to it, a dead
+worker's cell is taken over, and the report says whether the chosen LR is inside the sweep, at its
+edge, or the sweep is not finished."""
 from __future__ import annotations
 
 import json
