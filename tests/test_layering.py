@@ -125,6 +125,12 @@ def _bench_imports(path: Path) -> list[str]:
                    if m.split(".")[0] == "bench"})
 
 
+def _private_exporter_imports(path: Path) -> list[str]:
+    """Names starting with `_` taken from exporter's modules: what a caller outside it must not lean on."""
+    return sorted(f"{m}.{n}" for m, n in _imported_names(path)
+                  if m.split(".")[0] == "exporter" and n and n.startswith("_") and not n.startswith("__"))
+
+
 def test_tests_import_no_bench_module():
     """Benchmarks are scripts, not the product: a test that needs their logic means the logic belongs in a
     package (zl_mobile.reference holds the eager trainer the quality study runs); bench/tests/ tests bench/."""
@@ -132,7 +138,17 @@ def test_tests_import_no_bench_module():
     assert not bad, f"tests/ importing bench/: {bad}"
 
 
-def test_the_import_check_sees_a_bench_import(tmp_path):
+def test_bench_and_tests_import_no_private_name_of_the_exporter():
+    """bench/ and tests/ use zl-export's public functions (export_zerolock_chunk, export_manifest,
+    ExportedModelSizes, ...): a private one is free to change under them."""
+    files = [p for d in ("bench", "tests") for p in sorted((REPO / d).rglob("*.py"))]
+    bad = {str(p.relative_to(REPO)): b for p in files if (b := _private_exporter_imports(p))}
+    assert not bad, f"private exporter names imported outside exporter/: {bad}"
+
+
+def test_the_import_checks_see_a_bench_import_and_a_private_exporter_name(tmp_path):
     f = tmp_path / "t.py"
-    f.write_text("import bench.quality\ndef g():\n    from bench import per_hour\nfrom exporter.export import versions\n")
+    f.write_text("import bench.quality\nfrom exporter.export import _export_chunk, versions\n"
+                 "def g():\n    from bench import per_hour\n    from exporter.cli import _hf_config\n")
     assert _bench_imports(f) == ["bench.per_hour", "bench.quality"]
+    assert _private_exporter_imports(f) == ["exporter.cli._hf_config", "exporter.export._export_chunk"]
