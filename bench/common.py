@@ -133,29 +133,16 @@ def bench_micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int
 def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *, prefix: str, extra_args=None,
                   per_phone_args=None, coordinator_cls=None, on_event=None, max_seconds: float = 240.0,
                   network=None, cpu_shares=None):
-    """One coordinator run over freshly started emulated phones (real processes), stopped
-    afterwards; with `network` (an open host.netns.ShapedNetwork) each in its own namespace, with
-    `cpu_shares` phone i held to cpu_shares[i] of a core.
-    A hung run ends with RunError after `max_seconds`. Returns (result, metrics records)."""
+    """host.emulate.run_on_emulated_phones with the benchmarks' defaults: run id "bench", a hung run
+    ended with RunError after `max_seconds`. Returns (result, metrics records)."""
     import dataclasses
-    import json
 
-    from host.coordinator import Coordinator
-    from host.emulate import start_phones
+    from host.emulate import run_on_emulated_phones
 
-    settings = dataclasses.replace(settings, max_seconds=max_seconds)
-    phones = start_phones(n_phones, Path(root) / "phones", prefix=f"{prefix}{os.getpid()}-",
-                          extra_args=extra_args, per_phone_args=per_phone_args, network=network,
-                          cpu_shares=cpu_shares)
-    try:
-        co = (coordinator_cls or Coordinator)(export_dir, [p.handle() for p in phones], mbs, settings,
-                                              Path(root) / "run", run_id="bench", on_event=on_event)
-        result = co.run()
-    finally:
-        for p in phones:
-            p.stop()
-    records = [json.loads(line) for line in (Path(root) / "run" / "metrics.jsonl").read_text().splitlines()]
-    return result, records
+    return run_on_emulated_phones(export_dir, root, dataclasses.replace(settings, max_seconds=max_seconds), mbs,
+                                  n_phones, prefix=f"{prefix}{os.getpid()}-", run_id="bench", extra_args=extra_args,
+                                  per_phone_args=per_phone_args, network=network, cpu_shares=cpu_shares,
+                                  coordinator_cls=coordinator_cls, on_event=on_event)
 
 
 def run_sampled(cmd: list[str], interval_s: float, env: dict | None = None) -> tuple[int, str, list[tuple[float, int]]]:

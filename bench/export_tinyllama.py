@@ -257,11 +257,10 @@ def build_model(config_name: str):
 
 def export_chunks(peft_model, hf_cfg, ranges, indices, cfg, out: Path, say) -> dict:
     """export_model() for a subset of chunks, on an already LoRA-wrapped model (so several
-    readout sizes can share one model). Same per-chunk code path (_export_chunk, a private helper
-    of exporter.export: both its older and newer return types are handled) and manifest."""
+    readout sizes can share one model): zl-export's own per-chunk path (export_zerolock_chunk) and
+    manifest (export_manifest), with this bench's memory readings in each chunk's entry."""
     from exporter.chunk_model import ChunkModel
-    from exporter.export import _export_chunk, commit_out_dir, prepare_out_dir, versions
-    from exporter.manifest import FORMAT, FORMAT_VERSION, file_entry, write_manifest
+    from exporter.export import commit_out_dir, export_manifest, export_zerolock_chunk, prepare_out_dir
 
     tmp = prepare_out_dir(out)
     chunks, artifacts = [], {}
@@ -274,11 +273,7 @@ def export_chunks(peft_model, hf_cfg, ranges, indices, cfg, out: Path, say) -> d
             t0 = time.time()
             say(f"chunk {k}: layers {first}-{last}: tracing + lowering ({cfg.backend})")
             chunk = ChunkModel(peft_model, first, last, cfg).eval()
-            art = _export_chunk(k, chunk, cfg, hf_cfg, tmp, say)
-            if isinstance(art, dict):  # newer exporter: _export_chunk returns the entry's fields
-                from exporter.export import _write_lora_init
-                entry = {"index": k, "layers": [first, last], **art, **_write_lora_init(k, chunk, tmp)}
-                art = SimpleNamespace(entry=entry, chunk=chunk)
+            art = SimpleNamespace(entry=export_zerolock_chunk(k, chunk, cfg, hf_cfg, tmp, say), chunk=chunk)
             art.entry["export_seconds"] = round(time.time() - t0, 2)
             st = proc_status()
             art.entry["bench_export_peak_rss"] = st["VmHWM"]
@@ -288,20 +283,12 @@ def export_chunks(peft_model, hf_cfg, ranges, indices, cfg, out: Path, say) -> d
             chunks.append(art.entry)
             artifacts[k] = art
             gc.collect()
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "modes": ["zerolock"],
-            "model": {"source": "in-memory", "path": None, "weights_sha256": None,
-                      "config": {k: getattr(hf_cfg, k) for k in (
-                          "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                          "num_key_value_heads", "vocab_size", "rms_norm_eps")},
-                      "bench_random_init_seed": MODEL_SEED},
-            "export": cfg.to_json(),
-            "lora": {"rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "scale": cfg.lora_scale,
-                     "target_modules": list(cfg.target_modules)},
-            "chunks": chunks, "versions": versions(),
-            "files": [file_entry(tmp, p) for p in sorted(tmp.rglob("*")) if p.is_file()],
-        }
-        write_manifest(tmp, manifest)
+        model_ref = {"source": "in-memory", "path": None, "weights_sha256": None,
+                     "config": {k: getattr(hf_cfg, k) for k in (
+                         "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                         "num_key_value_heads", "vocab_size", "rms_norm_eps")},
+                     "bench_random_init_seed": MODEL_SEED}
+        manifest = export_manifest(tmp, model_ref, cfg, chunks)
         commit_out_dir(tmp, out)
     except BaseException:
         import shutil

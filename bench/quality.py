@@ -48,7 +48,6 @@ every method, so the numbers compare), found per position by bisection.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import math
@@ -61,12 +60,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.common import machine, now_iso, replace_md_section  # noqa: E402
+from zl_mobile.reference import metrics as R_metrics  # noqa: E402
+from zl_mobile.reference import readouts as R_readouts  # noqa: E402
+from zl_mobile.reference import trainer as R_trainer  # noqa: E402
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHUNKS = ((0, 9), (10, 19), (20, 29))  # the split ZeroLock's methods train; set_chunks changes it (BP has none)
@@ -108,7 +109,7 @@ ALPHAS = {"zl0.5": 0.5, "zl1": 1.0, "zl0.5-ra": 0.5, "zl0.5-lens": 0.5, "zl1-len
 # LR per chunk, as a multiple of the method's LR (issue 32's "rank or LR per chunk"); 0 leaves a
 # chunk's adapters as they start (lastonly: what the last chunk alone makes of the task)
 LR_SCALES = {"zl-lastonly-lens": (0.0, 0.0, 1.0), "zl-last3x-lens": (1.0, 1.0, 3.0), "zl-early0.1x-lens": (0.1, 0.1, 1.0)}
-RA_RANK = 64
+RA_RANK = R_readouts.RA_RANK  # the readout adapter's rank (zl0.5-ra)
 
 
 # ---------------------------------------------------------------- model and data
@@ -196,188 +197,39 @@ def peft_model(base, seed, targets="qv"):
                                            alpha_pattern={k: r * LORA_ALPHA // LORA_R for k, r in ranks.items()}))
 
 
-def causal_lm(pm_or_base):
-    """The LlamaForCausalLM under a peft model, or the model itself."""
-    from peft import PeftModel
-
-    return pm_or_base.base_model.model if isinstance(pm_or_base, PeftModel) else pm_or_base
-
-
-def lora_params(pm) -> dict:
-    return {n: p for n, p in pm.named_parameters() if "lora_" in n}
+# the eager ZeroLock trainer, its readouts and metrics live in zl_mobile.reference (the readable
+# reference and the tests' oracle); here the study's method names choose their settings, and the
+# functions below pass the split this process trains (CHUNKS, which set_chunks may change)
+causal_lm = R_readouts.causal_lm
 
 
-def _t(b, k):
-    return torch.from_numpy(b[k])
-
-
-class Trainer:
-    """One method's training: micro-batches, token-level window mean, zl_mobile's AdamW."""
-
-    def __init__(self, pm, method, lr, S, B, lenses=None):
-        from exporter.chunk_model import ChunkModel
-        from exporter.config import ExportConfig
-        from zl_mobile.accumulate import WindowGradients
-        from zl_mobile.adamw import AdamW, AdamWConfig
-
-        self.pm, self.method = pm, method
-        self.params = lora_params(pm)
-        self.data = {n: p.data for n, p in self.params.items()}
-        self.acc = WindowGradients(self.data)
-        self.opt = AdamW(self.data, AdamWConfig(lr=lr))
-        self.alpha = ALPHAS.get(method)
-        self.readout = None  # plain-autograd ZeroLock with a readout of its own (adapter or lens)
-        if method == "zl0.5-ra":
-            d = pm.base_model.model.config.hidden_size
-            self.readout = AdapterReadout(pm, make_readout_adapters(d, len(CHUNKS) - 1))
-            for n, t in self.readout.parameters().items():
-                self.params[n] = t
-            self.data = {n: p.data for n, p in self.params.items()}
-            self.acc = WindowGradients(self.data)
-            self.opt = AdamW(self.data, AdamWConfig(lr=lr))
-        elif tail_depth(method) is not None:
-            self.readout = TailReadout(pm, lenses, tail_depth(method), S)
-        elif method.endswith("-lens"):
-            self.readout = LensReadout(pm, lenses)
-        self.lr_scales = LR_SCALES.get(method, (1.0,) * len(CHUNKS))
-        if method in LR_SCALES:  # one optimizer per chunk, at its own LR; none where it is 0
-            groups = {}
-            for n in self.data:
-                groups.setdefault(chunk_of(n), {})[n] = self.data[n]
-            self.opt = [AdamW(g, AdamWConfig(lr=lr * self.lr_scales[k])) for k, g in sorted(groups.items())
-                        if self.lr_scales[k] > 0]
-        if self.alpha is not None:
-            self.alphas = self.alpha if isinstance(self.alpha, tuple) else (self.alpha,) * len(CHUNKS)
-            cfg = ExportConfig(seq_len=S, micro_batch=B, alpha=self.alphas[0])
-            self.chunks = [ChunkModel(pm, first, last, cfg) for first, last in CHUNKS]
-        self.first_losses = None
-        # CPU seconds per chunk (its layers, readout and backward; the plain-autograd path): the phone's
-        # share of a micro-batch, so a deeper readout's cost shows per chunk whatever the machine's load
-        self.chunk_cpu = [0.0] * len(CHUNKS)
-
-    def micro_batch(self, b, window) -> dict:
-        from zl_mobile.readout import readout_positions
-
-        for p in self.params.values():
-            p.grad = None
-        labels = b["labels"]
-        n_valid = float((labels != -100).sum())
-        losses = {}
-        if self.alpha is None:  # BP: global CE at the final head, through the whole model
-            llama = self.pm.base_model.model
-            h = llama.model(input_ids=_t(b, "input_ids"), attention_mask=_t(b, "attention_mask")).last_hidden_state
-            valid = _t(b, "labels") != -100
-            logp = F.log_softmax(llama.lm_head(h[valid]), dim=-1)
-            loss = F.nll_loss(logp, _t(b, "labels")[valid])
-            loss.backward()
-            losses["task_2"] = float(loss.detach())
-        elif self.readout is not None:  # ZeroLock with an adapter or lens in the readout (plain autograd)
-            llama = self.pm.base_model.model
-            valid = _t(b, "labels") != -100
-            y = _t(b, "labels")[valid]
-            x, att, pos = _t(b, "input_ids"), _t(b, "attention_mask"), _t(b, "position_ids")
-            c0 = time.process_time()  # chunk 0's share: the embedding and its p_{k-1} too
-            h_in = llama.model.embed_tokens(x)
-            with torch.no_grad():
-                logq = F.log_softmax(llama.lm_head(self.readout.read(-1, h_in, valid, att, pos)), dim=-1)
-            for k, ch in enumerate(self.chunks):
-                c0 = c0 if k == 0 else time.process_time()
-                h = ch.run_layers(h_in, att, pos)
-                logp = F.log_softmax(llama.lm_head(self.readout.read(k, h, valid, att, pos)), dim=-1)
-                ce = F.nll_loss(logp, y)
-                kl = (logp.exp() * (logp - logq)).sum(-1).mean()
-                if self.lr_scales[k] > 0:
-                    (self.alphas[k] * ce + (1 - self.alphas[k]) * kl).backward()
-                losses[f"task_{k}"], losses[f"consis_{k}"] = float(ce.detach()), float(kl.detach())
-                logq, h_in = logp.detach(), h.detach()
-                self.chunk_cpu[k] += time.process_time() - c0
-        else:  # ZeroLock: each chunk its local loss, on the upstream chunk's detached h
-            index, target, weight, dropped = readout_positions(labels, labels.size)
-            assert dropped == 0
-            x = _t(b, "input_ids")
-            assert len(set(self.alphas)) == 1, "per-chunk alpha runs with a lens (the plain-autograd path)"
-            a = torch.tensor([self.alphas[0]])
-            for k, ch in enumerate(self.chunks):
-                loss, task, consis, x = ch(x, _t(b, "attention_mask"), _t(b, "position_ids"),
-                                           torch.from_numpy(index), torch.from_numpy(target),
-                                           torch.from_numpy(weight), a)
-                loss.backward()
-                losses[f"task_{k}"], losses[f"consis_{k}"] = float(task), float(consis)
-        self.acc.add(window, {n: p.grad for n, p in self.params.items() if p.grad is not None}, n_valid)
-        if self.first_losses is None:
-            self.first_losses = losses
-        return losses
-
-    def end_window(self, window):
-        grads = self.acc.mean(window)
-        for opt in self.opt if isinstance(self.opt, list) else [self.opt]:
-            opt.step({n: grads[n] for n in opt.params})
+def Trainer(pm, method, lr, S, B, lenses=None) -> R_trainer.ReferenceTrainer:
+    """One method's training (zl_mobile.reference.trainer): its alphas, readout and LR per chunk by name."""
+    alpha = ALPHAS.get(method)
+    readout = None  # None: ZeroLock through ChunkModel, the programs' module (or BP, without alphas)
+    if method == "zl0.5-ra":
+        d = pm.base_model.model.config.hidden_size
+        readout = R_readouts.AdapterReadout(pm, R_readouts.make_readout_adapters(d, len(CHUNKS) - 1, RA_RANK))
+    elif tail_depth(method) is not None:
+        readout = TailReadout(pm, lenses, tail_depth(method), S)
+    elif method.endswith("-lens"):
+        readout = LensReadout(pm, lenses)
+    alphas = None if alpha is None else alpha if isinstance(alpha, tuple) else (alpha,) * len(CHUNKS)
+    return R_trainer.ReferenceTrainer(pm, CHUNKS, lr, S, B, alphas=alphas, readout=readout,
+                                      lr_scales=LR_SCALES.get(method))
 
 
 def chunk_of(name: str) -> int:
     """The chunk (CHUNKS) whose layer a LoRA parameter's name says it is in."""
-    layer = int(re.search(r"\blayers\.(\d+)\.", name).group(1))
-    return next(k for k, (first, last) in enumerate(CHUNKS) if first <= layer <= last)
+    return R_trainer.chunk_of(name, CHUNKS)
 
 
-def make_readout_adapters(d, n, rank=RA_RANK):
-    """Option (b): per chunk, W_u [rank, d] small random, W_d [d, rank] zero (starts as identity)."""
-    g = torch.Generator().manual_seed(1234)
-    return [{"up": (torch.randn(rank, d, generator=g) / math.sqrt(d)).requires_grad_(True),
-             "down": torch.zeros(d, rank, requires_grad=True)} for _ in range(n)]
+def LensReadout(pm, lenses) -> R_readouts.LensReadout:
+    return R_readouts.LensReadout(pm, lenses, CHUNKS)
 
 
-def adapt(h, ad):
-    return h if ad is None else h + F.gelu(h @ ad["up"].T) @ ad["down"].T
-
-
-class StaticReadout:
-    """The seed's option (a): the frozen final norm on every chunk's h (k = -1: the embedding)."""
-
-    def __init__(self, pm_or_base):
-        self.norm = causal_lm(pm_or_base).model.norm
-
-    def u(self, k, h):
-        return self.norm(h)
-
-    def read(self, k, h, sel, attention_mask=None, position_ids=None):
-        """What the head reads of chunk k's whole h [B, S, d] at the positions `sel` (a readout of
-        depth 0 reads the selected rows alone; the tail runs its layers over the sequence first)."""
-        return self.u(k, h[sel])
-
-    def parameters(self) -> dict:
-        return {}
-
-
-class AdapterReadout(StaticReadout):
-    """Option (b): norm(h + W_d gelu(W_u h)) for chunks 0..K-2, trained with the chunk."""
-
-    def __init__(self, pm, adapters):
-        super().__init__(pm)
-        self.adapters = adapters
-
-    def u(self, k, h):
-        return self.norm(adapt(h, self.adapters[k] if 0 <= k < len(self.adapters) else None))
-
-    def parameters(self) -> dict:
-        return {f"readout_adapter.{k}.{n}": t for k, ad in enumerate(self.adapters) for n, t in ad.items()}
-
-
-class LensReadout(StaticReadout):
-    """A frozen lens per boundary (exporter/readout_lens.py, what zl-export --readout lens puts in the
-    programs): {after_layer: (A, b)} for the embedding (-1) and each chunk's last layer but the model's."""
-
-    def __init__(self, pm, lenses):
-        super().__init__(pm)
-        self.lenses, self.eps = lenses, self.norm.variance_epsilon
-
-    def u(self, k, h):
-        from exporter.readout_lens import EMBEDDING, apply
-
-        if k == len(CHUNKS) - 1:
-            return self.norm(h)
-        a, b = self.lenses[EMBEDDING if k == -1 else CHUNKS[k][1]]
-        return apply(h, a, b, self.eps)
+def TailReadout(pm, lenses, depth, seq_len) -> R_readouts.TailReadout:
+    return R_readouts.TailReadout(pm, lenses, depth, seq_len, CHUNKS)
 
 
 def tail_depth(method):
@@ -387,147 +239,27 @@ def tail_depth(method):
 
 
 def tail_span(k, depth, n_layers=None):
-    """(first, last) of the frozen layers chunk k's readout runs (k = -1: the embedding's, chunk 0's
-    p_{k-1}); first > last when none. The readout after them: the final norm if last is the model's
-    top layer, else the lens after layer `last`."""
-    n_layers = n_layers or LAYERS
-    first = 0 if k == -1 else CHUNKS[k][1] + 1
-    last = n_layers - 1 if depth == "all" else min(first + depth - 1, n_layers - 1)
-    return first, last
+    """(first, last) of the frozen layers chunk k's readout runs (zl_mobile.reference.readouts.tail_span)."""
+    return R_readouts.tail_span(k, depth, CHUNKS, n_layers or LAYERS)
 
 
 def tail_lens_boundaries(method, n_layers=None) -> list:
     """The lens boundaries (after_layer) a method's readout needs besides the default's (chunk ends,
     embedding): the depths below the top a tail:D readout stops at."""
     depth = tail_depth(method)
-    if depth is None:
-        return []
-    n_layers = n_layers or LAYERS
-    default = {-1} | {last for _, last in CHUNKS[:-1]}
-    ends = {tail_span(k, depth, n_layers)[1] for k in range(-1, len(CHUNKS))}
-    return sorted(e for e in ends if e != n_layers - 1 and e not in default)
-
-
-class TailReadout(LensReadout):
-    """Issue 49's tail readout: chunk k's h runs through the next D layers of the model at its base
-    weights (LoRA off for them, whatever the later chunks have trained), then the lens at that depth
-    or, at the top, the final norm; tail:all is the whole rest of the model (for chunk k, the exact
-    backprop gradient with the later chunks at the base). The frozen layers are readout only: the
-    gradient flows through them to h_k, none reaches their LoRA."""
-
-    def __init__(self, pm, lenses, depth, seq_len):
-        from exporter.chunk_model import ChunkModel
-        from exporter.config import ExportConfig
-
-        super().__init__(pm, lenses or {})
-        self.pm, self.depth = pm, depth
-        self.n_layers = causal_lm(pm).config.num_hidden_layers
-        cfg = ExportConfig(seq_len=seq_len, micro_batch=1)
-        self.tails = {}
-        for k in range(-1, len(CHUNKS)):
-            first, last = tail_span(k, depth, self.n_layers)
-            if first <= last:
-                self.tails[k] = ChunkModel(pm, first, last, cfg, num_layers=self.n_layers)
-            if last != self.n_layers - 1 and last not in self.lenses:
-                raise ValueError(f"tail:{depth}: no lens after layer {last} (fit_lenses(..., extra={[last]}))")
-
-    def read(self, k, h, sel, attention_mask=None, position_ids=None):
-        from peft import PeftModel
-
-        from exporter.readout_lens import apply
-
-        _, last = tail_span(k, self.depth, self.n_layers)
-        if k in self.tails:
-            if position_ids is None:
-                position_ids = torch.arange(h.shape[1])[None].expand(h.shape[0], -1)
-            if attention_mask is None:
-                attention_mask = torch.ones(h.shape[:2], dtype=torch.long)
-            ctx = self.pm.disable_adapter() if isinstance(self.pm, PeftModel) else contextlib.nullcontext()
-            with ctx:
-                h = self.tails[k].run_layers(h, attention_mask, position_ids)
-        if last == self.n_layers - 1:
-            return self.norm(h[sel])
-        a, b = self.lenses[last]
-        return apply(h[sel], a, b, self.eps)
+    return [] if depth is None else R_readouts.tail_lens_boundaries(depth, CHUNKS, n_layers or LAYERS)
 
 
 def fit_lenses(base, mbs, log=print, extra=()) -> dict:
-    """The lenses zl-export fits, on these micro-batches' text (every real token, no labels); `extra`:
-    more boundaries (after_layer), fitted the same way (a tail:D readout's, tail_lens_boundaries)."""
-    from exporter.readout_lens import EMBEDDING, fit_model_lenses
-
-    t0 = time.time()
-    lenses, positions = fit_model_lenses(base, mbs, sorted({EMBEDDING, *[last for _, last in CHUNKS[:-1]], *extra}))
-    log(f"lens: fitted on {positions} positions in {time.time() - t0:.0f} s")
-    return lenses
+    """The lenses zl-export fits after CHUNKS' boundaries, on these micro-batches' text; `extra`: more."""
+    return R_readouts.fit_lenses(base, mbs, CHUNKS, log=log, extra=extra)
 
 
 # ---------------------------------------------------------------- evaluation
 
-def _local_optimum_t(q_y, alpha, iters=60):
-    """t = p*(y) minimising -alpha log t + (1-alpha) KL((t, (1-t) q_rest) || q) over t in (q_y, 1)."""
-    lo, hi = q_y.clone(), torch.ones_like(q_y)
-    for _ in range(iters):
-        t = (lo + hi) / 2
-        d = -alpha / t + (1 - alpha) * (torch.log(t / q_y) - torch.log((1 - t).clamp(min=1e-30) / (1 - q_y)))
-        lo, hi = torch.where(d < 0, t, lo), torch.where(d < 0, hi, t)
-    return (lo + hi) / 2
-
-
-def delta_k(logp, logq, y, alpha=0.5):
-    """KL(p_k || p_k*) per position, p_k* the exact minimiser of the local loss given p_{k-1} = q."""
-    q = logq.exp()
-    q_y = q.gather(1, y[:, None]).squeeze(1).clamp(1e-12, 1 - 1e-7)
-    t = _local_optimum_t(q_y, alpha)
-    # log p*: log t at y, log((1-t) q_l / (1 - q_y)) elsewhere
-    log_star = logq + (torch.log1p(-t) - torch.log1p(-q_y))[:, None]
-    log_star = log_star.scatter(1, y[:, None], torch.log(t)[:, None])
-    p = logp.exp()
-    return (p * (logp - log_star)).sum(-1)
-
-
-@torch.no_grad()
 def evaluate(pm_or_base, mbs, label_ids, readout=None) -> dict:
     """Per chunk readout: answer NLL, label accuracy, choice accuracy, delta_k (label position)."""
-    llama = causal_lm(pm_or_base)
-    head = llama.lm_head
-    readout = readout or StaticReadout(llama)
-    K = len(CHUNKS)
-    sums = {k: {"nll": 0.0, "tokens": 0, "label_ok": 0, "choice_ok": 0, "rows": 0, "delta": 0.0} for k in range(K)}
-    cand = torch.tensor(label_ids)
-    for b in mbs:
-        labels = _t(b, "labels")
-        valid = labels != -100
-        if not valid.any():
-            continue
-        out = llama.model(input_ids=_t(b, "input_ids"), attention_mask=_t(b, "attention_mask"),
-                          output_hidden_states=True)
-        hs = out.hidden_states  # [embedding, layer 0 out, ..., final (normed)]
-        # the label position of each row: its first valid position
-        first = torch.zeros_like(valid)
-        rows = valid.any(1)
-        first[rows, valid[rows].float().argmax(1)] = True
-        y_all, y_lab = labels[valid], labels[first]
-        att, pos = _t(b, "attention_mask"), (_t(b, "position_ids") if "position_ids" in b else None)
-        prev_lab = F.log_softmax(head(readout.read(-1, hs[0], first, att, pos)), dim=-1)
-        for k, (_, last) in enumerate(CHUNKS):
-            is_final = k == K - 1
-            u = (lambda sel: hs[-1][sel]) if is_final else \
-                (lambda sel, h=hs[last + 1], k=k: readout.read(k, h, sel, att, pos))
-            logp_all = F.log_softmax(head(u(valid)), dim=-1)
-            logp_lab = F.log_softmax(head(u(first)), dim=-1)
-            s = sums[k]
-            s["nll"] += float(-logp_all.gather(1, y_all[:, None]).sum())
-            s["tokens"] += int(valid.sum())
-            s["label_ok"] += int((logp_lab.argmax(-1) == y_lab).sum())
-            if len(cand):  # a generative task has no label set to choose among
-                s["choice_ok"] += int((cand[logp_lab[:, cand].argmax(-1)] == y_lab).sum())
-            s["rows"] += int(first.sum())
-            s["delta"] += float(delta_k(logp_lab, prev_lab, y_lab).sum())
-            prev_lab = logp_lab
-    return {f"chunk_{k}": {"answer_nll": s["nll"] / max(s["tokens"], 1), "label_accuracy": s["label_ok"] / max(s["rows"], 1),
-                           "choice_accuracy": s["choice_ok"] / max(s["rows"], 1), "delta_k": s["delta"] / max(s["rows"], 1),
-                           "rows": s["rows"]} for k, s in sums.items()}
+    return R_metrics.evaluate(pm_or_base, mbs, label_ids, CHUNKS, readout)
 
 
 def final(ev: dict) -> dict:

@@ -46,9 +46,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import quality as Q  # noqa: E402
-from bench.quality_tasks import TASKS, exact_match, load_task  # noqa: E402
+from bench.quality_tasks import TASKS, load_task  # noqa: E402
 from exporter.config import BASE_WEIGHTS  # noqa: E402
 from exporter.errors import ChunkSpecError  # noqa: E402
+from zl_mobile.reference.metrics import exact_match  # noqa: E402
 
 CELLS = ROOT / "bench" / "results" / "quality_cells"
 OUT = ROOT / "bench" / "results" / "quality_study.json"

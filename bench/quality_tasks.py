@@ -4,6 +4,7 @@
                    scored by choice accuracy (argmax among the five label tokens)
   wordnet-reverse  WordNet noun gloss -> the synset's first lemma, written by the model
                    (zl_common/data/wordnet_reverse.py); scored by exact match of greedy generation
+                   (zl_mobile.reference.metrics.exact_match)
 
 Both train on the answer tokens only (answer and eos), with the same encoding and micro-batches.
 """
@@ -11,10 +12,7 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 TASKS = ("wordnet", "wordnet-reverse")
-MAX_NEW_TOKENS = 12  # the longest two-word lemma is well under this many tokens
 
 
 def load_task(task, tok, n_train, n_val, n_test, seq_len, data_seed=0):
@@ -43,40 +41,3 @@ def load_task(task, tok, n_train, n_val, n_test, seq_len, data_seed=0):
     else:
         label_ids = []
     return out, label_ids
-
-
-def normalise(text: str) -> str:
-    return " ".join(text.split())
-
-
-@torch.no_grad()
-def exact_match(model, tok, rows, seq_len, batch=16, max_new_tokens=MAX_NEW_TOKENS) -> dict:
-    """Greedy generation after each row's prompt (tokenised as in training: bos + prompt, cut on the
-    left to leave room for the answer), stopped at eos; exact match of the whitespace-normalised
-    text against the completion. Returns the rate and a few (expected, generated) samples."""
-    from zl_common.data.batching import _prompt_and_answer_ids
-
-    bos = [tok.bos_token_id] if tok.bos_token_id is not None else []
-    eos = tok.eos_token_id
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos
-    prompts = []
-    for r in rows:
-        p, _ = _prompt_and_answer_ids(tok, r["prompt"], r["completion"])
-        prompts.append(bos + p[max(0, len(bos) + len(p) - (seq_len - max_new_tokens)):])
-    hits, samples = 0, []
-    for i in range(0, len(prompts), batch):
-        chunk = prompts[i:i + batch]
-        L = max(len(p) for p in chunk)
-        ids = torch.tensor([[pad] * (L - len(p)) + p for p in chunk])  # left padding: generation continues each row
-        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in chunk])
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos, pad_token_id=pad)
-        for j, row in enumerate(rows[i:i + batch]):
-            gen = out[j, L:].tolist()
-            gen = gen[:gen.index(eos)] if eos in gen else gen
-            text = normalise(tok.decode(gen, skip_special_tokens=True))
-            ok = text == normalise(row["completion"])
-            hits += ok
-            if len(samples) < 8:
-                samples.append([normalise(row["completion"]), text])
-    return {"exact_match": hits / max(len(rows), 1), "rows": len(rows), "samples": samples}

@@ -3,7 +3,7 @@ for its layers, readout and backward (chunk 0 also reads the embedding's p_{k-1}
 layers it runs beside its own, for the default (tail:0, the lens) and each tail:D.
 
 CPU time (one torch thread), not wall time: the number holds on a loaded shared machine. The eager
-reference trainer's work (bench/quality.py's Trainer, the study's path), not an ExecuTorch program.
+reference trainer's work (zl_mobile.reference through bench/quality.py's Trainer, the study's path), not an ExecuTorch program.
 
   nice -n 19 python bench/tail_cost.py --depths 0,2,10,all --micro-batches 4   # -> bench/results/tail_cost.json
 """

@@ -136,9 +136,9 @@ def main(argv=None) -> int:
         from .chunk_spec import chunks_from_arg
 
         def verify(out_dir, manifest, artifacts):  # before the export is put in place
-            from .verify import verify_all
+            from .verify import ExportedModelSizes, verify_all
 
-            rows = verify_all(out_dir, artifacts, cfg, _hf_config(manifest), report=progress)
+            rows = verify_all(out_dir, artifacts, cfg, ExportedModelSizes(manifest), report=progress)
             return {"passed": True, "programs": [{n: {"err": r["err"], "tol": r["tol"]} for n, r in row.items()}
                                                  for row in rows]}
 
@@ -180,14 +180,6 @@ def main(argv=None) -> int:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-class _hf_config:
-    """vocab and hidden size of the exported model (what verify's sample batch needs)."""
-
-    def __init__(self, manifest):
-        self.vocab_size = manifest["model"]["config"]["vocab_size"]
-        self.hidden_size = manifest["model"]["config"]["hidden_size"]
 
 
 if __name__ == "__main__":

@@ -253,20 +253,7 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             BPChunkModel(peft_model, first, last, cfg, is_last=k == len(ranges) - 1).eval() if "bp" in modes else None)
             for k, ((first, last), entry) in enumerate(zip(ranges, entries))]
 
-        manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "modes": list(modes),
-            "model": model_ref,
-            "export": cfg.to_json(),
-            "lora": {"rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "scale": cfg.lora_scale,
-                     "target_modules": list(cfg.target_modules),
-                     "init": {"lora_A": "kaiming_uniform(a=sqrt(5)) (peft default)", "lora_B": "zeros",
-                              "seed": cfg.seed}},
-            "chunks": [r.entry for r in results],
-            **({"readout_lens": lens_info} if lens_info else {}),
-            "versions": versions(),
-            "files": [file_entry(tmp, p) for p in sorted(tmp.rglob("*")) if p.is_file()],
-        }
-        write_manifest(tmp, manifest)
+        manifest = export_manifest(tmp, model_ref, cfg, [r.entry for r in results], modes, lens_info)
         if verify is not None:
             try:
                 manifest["verify"] = verify(tmp, manifest, results)
@@ -279,6 +266,39 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def export_zerolock_chunk(k: int, chunk: ChunkModel, cfg: ExportConfig, hf_cfg, out_dir: Path, say=None) -> dict:
+    """Chunk k's ZeroLock program (chunk_k.pte, its frozen weights chunk_k.ptd) and its LoRA
+    initialisation written into `out_dir`, as export_model writes each chunk; returns the chunk's
+    manifest entry (index, layers, program, weights, methods, lora_init, lora). For callers that build
+    the ChunkModel themselves (a model already under LoRA, a subset of chunks: bench/export_tinyllama.py);
+    export_manifest then describes the directory."""
+    entry = {"index": k, "layers": [chunk.first, chunk.last]}
+    entry.update(_export_chunk(k, chunk, cfg, hf_cfg, out_dir, say or (lambda msg: None)))
+    entry.update(_write_lora_init(k, chunk, out_dir))
+    return entry
+
+
+def export_manifest(out_dir: Path, model_ref: dict, cfg: ExportConfig, chunks: list[dict], modes=("zerolock",),
+                    lens_info: dict | None = None) -> dict:
+    """manifest.json for the chunk entries written into `out_dir` (every file there listed with its
+    sha256): `model_ref` says where the model came from ({"source", "path", "weights_sha256", "config", ...})."""
+    manifest = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "modes": list(modes),
+        "model": model_ref,
+        "export": cfg.to_json(),
+        "lora": {"rank": cfg.lora_rank, "lora_alpha": cfg.lora_alpha, "scale": cfg.lora_scale,
+                 "target_modules": list(cfg.target_modules),
+                 "init": {"lora_A": "kaiming_uniform(a=sqrt(5)) (peft default)", "lora_B": "zeros",
+                          "seed": cfg.seed}},
+        "chunks": chunks,
+        **({"readout_lens": lens_info} if lens_info else {}),
+        "versions": versions(),
+        "files": [file_entry(out_dir, p) for p in sorted(Path(out_dir).rglob("*")) if p.is_file()],
+    }
+    write_manifest(out_dir, manifest)
+    return manifest
 
 
 def _tail_record(chunk: ChunkModel, num_layers: int) -> dict:

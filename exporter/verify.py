@@ -76,12 +76,22 @@ def failures(rows: dict[str, dict]) -> list[str]:
     return [n for n, r in rows.items() if not r["err"] <= r["tol"]]  # `not <=`: NaN fails
 
 
-def _float64(module):
+class ExportedModelSizes:
+    """The vocab and hidden size of an exported model, read from its manifest: what verify's sample
+    batches need, where the model's own (HF) config is not at hand."""
+
+    def __init__(self, manifest):
+        self.vocab_size = manifest["model"]["config"]["vocab_size"]
+        self.hidden_size = manifest["model"]["config"]["hidden_size"]
+
+
+def float64_copy(module):
     """A float64 copy of an eager chunk (the fp32 one is left as it is)."""
     return copy.deepcopy(module).double()
 
 
-def _as64(inputs):
+def as_float64(inputs):
+    """The inputs with every float tensor as float64 (what float64_copy runs on)."""
     return tuple(x.double() if torch.is_floating_point(x) else x for x in inputs)
 
 
@@ -127,7 +137,7 @@ def verify_chunk(out_dir: Path, art, cfg, hf_cfg, seed: int = 0, inputs=None, ch
 
     got = program_outputs(ChunkProgram(out_dir, entry), lora, batch)
     ref = eager_outputs(chunk, inputs, lora, to_local)
-    ref64 = eager_outputs(_float64(chunk), _as64(inputs), lora, to_local)
+    ref64 = eager_outputs(float64_copy(chunk), as_float64(inputs), lora, to_local)
     return judge(got, ref, ref64)
 
 
@@ -191,7 +201,7 @@ def verify_bp_chunk(out_dir: Path, art, cfg, hf_cfg, seed: int = 0) -> dict[str,
             out[PROBE_GRAD] = gin
         return out
 
-    return judge(got, eager(chunk, inputs), eager(_float64(chunk), _as64(inputs)))
+    return judge(got, eager(chunk, inputs), eager(float64_copy(chunk), as_float64(inputs)))
 
 
 def _summary(rows: dict[str, dict]) -> str:

@@ -89,6 +89,34 @@ def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_p
     return phones
 
 
+def run_on_emulated_phones(export_dir: Path, root: Path, settings, micro_batches, n_phones: int = 3, *,
+                           prefix: str = "emu", run_id: str = "local", extra_args=None, per_phone_args=None,
+                           network: "ShapedNetwork | None" = None, cpu_shares: list[float] | None = None,
+                           coordinator_cls=None, on_event=None, phones_out: list | None = None):
+    """One training run on this machine, start to end: n emulated phones started under root/phones
+    (start_phones' arguments), one coordinator run over them (root/run; `coordinator_cls`: a
+    Coordinator subclass), the phones stopped whatever happens. `phones_out`, if given, receives the
+    phones (a caller that kills one needs its process). What tests and benchmarks run a pipeline with.
+    Returns (result, the run's metrics records)."""
+    import json
+
+    from .coordinator import Coordinator
+
+    phones = start_phones(n_phones, Path(root) / "phones", prefix=prefix, extra_args=extra_args,
+                          per_phone_args=per_phone_args, network=network, cpu_shares=cpu_shares)
+    if phones_out is not None:
+        phones_out.extend(phones)
+    try:
+        co = (coordinator_cls or Coordinator)(export_dir, [p.handle() for p in phones], micro_batches, settings,
+                                              Path(root) / "run", run_id=run_id, on_event=on_event)
+        result = co.run()
+    finally:
+        for p in phones:
+            p.stop()
+    records = [json.loads(line) for line in (Path(root) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return result, records
+
+
 def cpu_shares(text: str | None, n: int) -> list[float] | None:
     """--cpu-share F|F1,...,Fn for n emulated phones (None: unbudgeted); checked before anything starts."""
     if text is None:

@@ -13,4 +13,4 @@ ruff check .  # pyflakes, import order, line length (pyproject.toml [tool.ruff])
 # Two workers: half the suite waits on phones, sockets and timeouts, so the other half computes
 # meanwhile; a test module stays on one worker (loadfile; pytest 9.2 ignores the node-id suffix that
 # xdist's loadgroup writes) and the exports are built once (tests/conftest.py).
-python -m pytest tests -n 2 --dist loadfile --durations=40 "$@"  # the slowest, to keep the suite short
+python -m pytest tests bench/tests -n 2 --dist loadfile --durations=40 "$@"  # the slowest, to keep the suite short

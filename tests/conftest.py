@@ -196,31 +196,18 @@ def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int 
 
 def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones: int = 3, on_event=None,
                  phone_args=None, network=None, phones_out: list | None = None):
-    """Start n emulated phones (real processes; with `network`, an open host.netns.ShapedNetwork,
-    each in its own namespace), run the coordinator to the end, stop them. `phones_out`, if
-    given, receives the phones (a test that kills one needs its process).
-    Returns (result, metrics records)."""
-    import json
+    """host.emulate.run_on_emulated_phones with the tests' defaults: this process's phone names, run
+    id "test", a run that hangs ended after 300 s (a failed test, not a stalled CI). Returns (result,
+    metrics records)."""
     import os
 
-    from host.coordinator import Coordinator
-    from host.emulate import start_phones
+    from host.emulate import run_on_emulated_phones
 
-    phones = start_phones(n_phones, root / "phones", prefix=f"t{os.getpid()}-", extra_args=phone_args,
-                          network=network)
-    if phones_out is not None:
-        phones_out.extend(phones)
-    try:
-        devices = [p.handle() for p in phones]
-        if settings.max_seconds is None:  # a hang fails the test instead of stalling CI
-            settings.max_seconds = 300
-        co = Coordinator(export_dir, devices, micro_batches, settings, root / "run", run_id="test", on_event=on_event)
-        result = co.run()
-    finally:
-        for p in phones:
-            p.stop()
-    records = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
-    return result, records
+    if settings.max_seconds is None:
+        settings.max_seconds = 300
+    return run_on_emulated_phones(export_dir, root, settings, micro_batches, n_phones, prefix=f"t{os.getpid()}-",
+                                  run_id="test", extra_args=phone_args, network=network, on_event=on_event,
+                                  phones_out=phones_out)
 
 
 def build_bpe_tokenizer(vocab_size: int = 384):

@@ -25,7 +25,7 @@ from exporter.base_weights import (
     row_blocks,
     stored_formats,
 )
-from exporter.verify import verify_all
+from exporter.verify import ExportedModelSizes, verify_all
 from tests.conftest import SMALL_DECODE_BLOCK, as_gguf_blocks, small_export_config
 
 
@@ -180,7 +180,6 @@ def test_int4_refuses_a_model_whose_rows_do_not_split_into_blocks():
 
 
 def test_int8_export_is_a_quarter_of_the_weights_and_matches_eager(small_export, small_export_int8):
-    from exporter.cli import _hf_config
 
     out8, manifest8, artifacts8, cfg8 = small_export_int8
     out32, manifest32, _, _ = small_export
@@ -190,7 +189,7 @@ def test_int8_export_is_a_quarter_of_the_weights_and_matches_eager(small_export,
         assert 0.2 < ratio < 0.32, (c8["index"], ratio)  # int8 + one fp32 scale per row, norms in fp32
         assert c8["bp"]["weights"] == c8["weights"]  # the BP program shares the chunk's .ptd
     # every program (ZeroLock and BP) against the same int8 chunk in eager PyTorch
-    diffs = verify_all(out8, artifacts8, cfg8, _hf_config(manifest8), report=lambda m: None)
+    diffs = verify_all(out8, artifacts8, cfg8, ExportedModelSizes(manifest8), report=lambda m: None)
     assert len(diffs) == 6
 
 
@@ -202,7 +201,6 @@ def test_int4_export_keeps_a_gguf_s_blocks_and_matches_its_own_reference(small_m
     from safetensors.torch import load_file
 
     from exporter.chunk_model import ChunkModel, add_lora
-    from exporter.cli import _hf_config
     from exporter.model_source import load_model_dir
     from exporter.verify import failures, verify_chunk
 
@@ -224,14 +222,14 @@ def test_int4_export_keeps_a_gguf_s_blocks_and_matches_its_own_reference(small_m
                 assert fmt == want, (name, fmt)
                 if fmt != "q4_0":
                     assert torch.equal(dequantize(q, scale), source[name]), name
-    diffs = verify_all(out4, artifacts4, cfg4, _hf_config(manifest4), report=lambda m: None)
+    diffs = verify_all(out4, artifacts4, cfg4, ExportedModelSizes(manifest4), report=lambda m: None)
     assert len(diffs) == 6
     art = artifacts4[0]
     model8 = load_model_dir(small_model_dir)
     quantize_base(model8, "int8")
     on_int8 = ChunkModel(add_lora(model8, cfg4), art.first, art.last, cfg4).eval()
-    assert failures(verify_chunk(out4, art, cfg4, _hf_config(manifest4), chunk=on_int8))
-    assert not failures(verify_chunk(out4, art, cfg4, _hf_config(manifest4)))
+    assert failures(verify_chunk(out4, art, cfg4, ExportedModelSizes(manifest4), chunk=on_int8))
+    assert not failures(verify_chunk(out4, art, cfg4, ExportedModelSizes(manifest4)))
 
 
 @pytest.mark.parametrize("fmt,rel,cos_min", [("int8", 0.02, 0.95), ("int4", 0.05, 0.8)])

@@ -165,7 +165,17 @@ def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_e
     the exported program passes; the same program with its LoRA dropped, or checked against a
     weight perturbed by 1%, fails, though both differences are far below the massive value."""
     from exporter.chunk_model import example_inputs, input_names, peft_name
-    from exporter.verify import FLOOR, _as64, _float64, eager_outputs, failures, judge, program_outputs, sample_lora, verify_chunk
+    from exporter.verify import (
+        FLOOR,
+        as_float64,
+        eager_outputs,
+        failures,
+        float64_copy,
+        judge,
+        program_outputs,
+        sample_lora,
+        verify_chunk,
+    )
     from zl_common.program import ChunkProgram
 
     out, _ = gguf_export
@@ -188,7 +198,7 @@ def test_verify_holds_with_massive_activations_and_catches_wrong_programs(gguf_e
     lora = sample_lora(art.entry, 0)
     to_local = {peft_name(n, art.first): n for n in art.chunk.lora_parameters()}
     ref = eager_outputs(art.chunk, inputs, lora, to_local)
-    ref64 = eager_outputs(_float64(art.chunk), _as64(inputs), lora, to_local)
+    ref64 = eager_outputs(float64_copy(art.chunk), as_float64(inputs), lora, to_local)
     dropped = program_outputs(ChunkProgram(out, art.entry), {n: torch.zeros_like(v) for n, v in lora.items()}, batch)
     assert "h_out" in failures(judge(dropped, ref, ref64))
     dh = (dropped["h_out"] - ref["h_out"]).abs().max() / ref["h_out"].abs().max()

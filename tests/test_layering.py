@@ -109,3 +109,46 @@ def test_the_check_sees_a_circle_and_a_reversed_import():
     finally:
         GRAPH["exporter.verify"].discard("zl_mobile.stage")
         GRAPH["host.emulate"].discard("host.cli")
+
+
+def _imported_names(path: Path):
+    """(module, name) for every `from module import name` and (module, None) for `import module`."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            yield from ((a.name, None) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            yield from ((node.module or "", a.name) for a in node.names)
+
+
+def _bench_imports(path: Path) -> list[str]:
+    return sorted({f"{m}{'.' + n if n else ''}" for m, n in _imported_names(path)
+                   if m.split(".")[0] == "bench"})
+
+
+def _private_exporter_imports(path: Path) -> list[str]:
+    """Names starting with `_` taken from exporter's modules: what a caller outside it must not lean on."""
+    return sorted(f"{m}.{n}" for m, n in _imported_names(path)
+                  if m.split(".")[0] == "exporter" and n and n.startswith("_") and not n.startswith("__"))
+
+
+def test_tests_import_no_bench_module():
+    """Benchmarks are scripts, not the product: a test that needs their logic means the logic belongs in a
+    package (zl_mobile.reference holds the eager trainer the quality study runs); bench/tests/ tests bench/."""
+    bad = {str(p.relative_to(REPO)): b for p in sorted((REPO / "tests").rglob("*.py")) if (b := _bench_imports(p))}
+    assert not bad, f"tests/ importing bench/: {bad}"
+
+
+def test_bench_and_tests_import_no_private_name_of_the_exporter():
+    """bench/ and tests/ use zl-export's public functions (export_zerolock_chunk, export_manifest,
+    ExportedModelSizes, ...): a private one is free to change under them."""
+    files = [p for d in ("bench", "tests") for p in sorted((REPO / d).rglob("*.py"))]
+    bad = {str(p.relative_to(REPO)): b for p in files if (b := _private_exporter_imports(p))}
+    assert not bad, f"private exporter names imported outside exporter/: {bad}"
+
+
+def test_the_import_checks_see_a_bench_import_and_a_private_exporter_name(tmp_path):
+    f = tmp_path / "t.py"
+    f.write_text("import bench.quality\nfrom exporter.export import _export_chunk, versions\n"
+                 "def g():\n    from bench import per_hour\n    from exporter.cli import _hf_config\n")
+    assert _bench_imports(f) == ["bench.per_hour", "bench.quality"]
+    assert _private_exporter_imports(f) == ["exporter.cli._hf_config", "exporter.export._export_chunk"]

@@ -11,10 +11,9 @@ from safetensors.torch import load_file
 
 from exporter import readout_lens
 from exporter.chunk_model import ChunkModel, add_lora, example_inputs, input_names
-from exporter.cli import _hf_config
 from exporter.cli import main as export_main
 from exporter.model_source import load_model_dir
-from exporter.verify import sample_lora, verify_all
+from exporter.verify import ExportedModelSizes, sample_lora, verify_all
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_export_config, small_micro_batches
 from tests.test_eager_backend import TOL, _rel, _zl_batch
@@ -37,15 +36,15 @@ def _full_model_ce(peft_model, ids, attn, pos, idx, tgt, w):
 def test_tail_all_gradient_is_backprops(small_model_dir, tmp_path):
     """tail:all, alpha = 1: chunk 0's phase 2, run in ExecuTorch, returns the gradient autograd
     gives through the whole model (the later chunks' LoRA at zero), and the model's own CE."""
-    from exporter.export import _export_chunk, _write_lora_init
+    from exporter.export import export_zerolock_chunk
 
     model = load_model_dir(small_model_dir).eval()
     cfg = small_export_config(readout="tail:all")
     peft_model = add_lora(model, cfg)
     chunk = ChunkModel(peft_model, 0, 0, cfg).eval()
     assert len(chunk.tail_out) == 2 and chunk.lens_out is None  # layers 1-2, then the final norm
-    entry = {"index": 0, **_export_chunk(0, chunk, cfg, model.config, tmp_path, lambda msg: None),
-             **_write_lora_init(0, chunk, tmp_path)}
+    entry = export_zerolock_chunk(0, chunk, cfg, model.config, tmp_path)
+    assert entry["index"] == 0 and entry["layers"] == [0, 0] and (tmp_path / entry["lora_init"]).is_file()
     prog = ChunkProgram(tmp_path, entry)
     lora = sample_lora(entry, seed=3)  # lora_B nonzero: every gradient exercised
     inputs = example_inputs(chunk, cfg, model.config.vocab_size, model.config.hidden_size, seed=5)
@@ -174,7 +173,7 @@ def test_tail_programs_equal_eager_and_read_through_the_tail(small_export_tail, 
 
 def test_tail_export_passes_verify(small_export_tail):
     out, manifest, artifacts, cfg = small_export_tail
-    rows = verify_all(out, artifacts, cfg, _hf_config(manifest), report=lambda msg: None)
+    rows = verify_all(out, artifacts, cfg, ExportedModelSizes(manifest), report=lambda msg: None)
     assert len(rows) == 3 and all(r["grad:" + n]["err"] <= r["grad:" + n]["tol"]
                                   for r, c in zip(rows, manifest["chunks"]) for n in (t["name"] for t in c["lora"]))
 

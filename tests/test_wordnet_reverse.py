@@ -7,11 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench.quality_tasks import exact_match
 from exporter.model_source import build_tiny_model
 from exporter.tiny_tokenizer import build_tiny_tokenizer
 from zl_common.data import DataError, encode_examples, load_examples
 from zl_common.data.wordnet_reverse import read_reverse_pairs, reverse_splits
+from zl_mobile.reference.metrics import exact_match
 
 # offset lexfile n w_cnt lemma lex_id ... | gloss   (05 animal, 13 food, 20 plant)
 DATA = """\

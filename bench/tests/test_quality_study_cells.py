@@ -1,6 +1,7 @@
-"""bench/quality_study.py's bookkeeping, without the model: finished cells are reused, cells another
-live worker holds are left to it, a dead worker's cell is taken over, and the report says whether the
-chosen LR is inside the sweep, at its edge, or the sweep is not finished."""
+"""bench/quality_study.py's bookkeeping, without the model (beside the bench it tests: tests/ imports no
+bench module): finished cells are reused, cells another live worker holds are left to it, a dead
+worker's cell is taken over, and the report says whether the chosen LR is inside the sweep, at its
+edge, or the sweep is not finished."""
 from __future__ import annotations
 
 import json
@@ -212,120 +213,36 @@ def test_another_split_trains_zerolock_at_the_default_splits_rates_in_cells_of_i
         {"zl-last1-lens|qv|e1|n1024", f"zl-last1-lens|qv|e1|chunks {split}|n1024"}
 
 
-def _tiny_peft(Q, seed=0):
-    """A tiny Llama with Q.CHUNKS' layer count under the study's q/v LoRA, every LoRA weight random
-    (B too: an untrained adapter's zero B would hide whether the tail runs the later chunks' LoRA)."""
+def test_each_method_name_picks_its_alphas_readout_and_lr_per_chunk():
+    """Q.Trainer maps the study's method names onto zl_mobile.reference's trainer (whose arithmetic
+    tests/test_reference_trainer.py checks): backprop without alphas, the programs' path for one
+    static alpha, a lens or a tail:D readout with per-chunk alphas, an LR factor per chunk."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(seed)
+    from bench import quality as Q
+    from zl_mobile.reference import readouts
+
+    torch.manual_seed(0)
     base = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                         num_key_value_heads=2, num_hidden_layers=Q.CHUNKS[-1][1] + 1)).eval()
-    pm = Q.peft_model(base, seed=seed)
-    with torch.no_grad():
-        for p in Q.lora_params(pm).values():
-            p.copy_(torch.randn_like(p) * 0.2)
-    return pm
-
-
-def _tiny_batch(rows=3, S=12, vocab=64):
-    import numpy as np
-
-    g = np.random.default_rng(1)
-    ids = g.integers(1, vocab, size=(rows, S))
-    att = np.ones((rows, S), dtype=np.int64)
-    att[1, 9:] = 0  # a padded row
-    labels = np.full((rows, S), -100)
-    labels[:, 5:8] = g.integers(1, vocab, size=(rows, 3))
-    return {"input_ids": ids, "attention_mask": att, "labels": labels,
-            "position_ids": np.broadcast_to(np.arange(S), (rows, S)).copy()}
-
-
-def test_tail_all_gives_each_chunk_the_exact_backprop_gradient_with_the_later_chunks_at_the_base(monkeypatch):
-    """Issue 49's tail:all: chunk k's local CE read through every later layer at its base weights is,
-    for chunk k's LoRA, the gradient autograd gives through the whole model with the later chunks'
-    LoRA at zero (and none of it reaches the later chunks' LoRA)."""
-    import torch
-    import torch.nn.functional as F
-
-    from bench import quality as Q
-
-    monkeypatch.setitem(Q.ALPHAS, "zl-tailall", (1.0, 1.0, 1.0))  # the task CE alone, to compare with BP's
-    pm = _tiny_peft(Q)
-    b = _tiny_batch()
-    tr = Q.Trainer(pm, "zl-tailall", 1e-3, 12, 3)
-    assert isinstance(tr.readout, Q.TailReadout)
-    tr.micro_batch(b, 0)
-    got = {n: p.grad.clone() for n, p in tr.params.items()}
-    params = Q.lora_params(pm)
-    saved = {n: p.detach().clone() for n, p in params.items()}
-    llama = Q.causal_lm(pm)
-    valid = torch.from_numpy(b["labels"]) != -100
-    for k in range(len(Q.CHUNKS)):
-        with torch.no_grad():
-            for n, p in params.items():
-                p.copy_(torch.zeros_like(p) if Q.chunk_of(n) > k and "lora_B" in n else saved[n])
-        for p in params.values():
-            p.grad = None
-        h = llama.model(input_ids=Q._t(b, "input_ids"), attention_mask=Q._t(b, "attention_mask")).last_hidden_state
-        F.nll_loss(F.log_softmax(llama.lm_head(h[valid]), -1), Q._t(b, "labels")[valid]).backward()
-        mine = [n for n in params if Q.chunk_of(n) == k]
-        assert mine
-        for n in mine:
-            torch.testing.assert_close(got[n], params[n].grad, rtol=1e-4, atol=1e-6, msg=n)
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(saved[n])
-
-
-def test_tail_d_reads_through_d_base_layers_then_the_lens_at_that_depth():
-    """tail:D's spans and lenses: D layers after the chunk (the embedding's for p_{k-1}), the lens at
-    that boundary below the top (fitted where the default has none), the final norm at the top; the
-    tail's layers run at the base weights whatever the LoRA holds; depth 0 is the default's lens."""
-    import torch
-
-    from bench import quality as Q
-
-    assert Q.tail_depth("zl-tail2-lens") == 2 and Q.tail_depth("zl-tailall") == "all"
-    assert Q.tail_depth("zl-last1-lens") is None
-    assert [Q.tail_span(k, 2, 30) for k in (-1, 0, 1, 2)] == [(0, 1), (10, 11), (20, 21), (30, 29)]
-    assert [Q.tail_span(k, 10, 30)[1] for k in (-1, 0, 1)] == [9, 19, 29]
-    assert Q.tail_lens_boundaries("zl-tail2-lens", 30) == [1, 11, 21]
-    assert Q.tail_lens_boundaries("zl-tail10-lens", 30) == [] and Q.tail_lens_boundaries("zl-tailall", 30) == []
-    pm = _tiny_peft(Q)
-    b = _tiny_batch()
-    mbs = [b]
-    lenses = Q.fit_lenses(Q.causal_lm(pm), mbs, log=lambda *_: None, extra=Q.tail_lens_boundaries("zl-tail2-lens"))
-    assert {1, 11, 21} <= set(lenses)
-    ro = Q.TailReadout(pm, lenses, 2, 12)
-    llama = Q.causal_lm(pm)
-    x, att, pos = (Q._t(b, k) for k in ("input_ids", "attention_mask", "position_ids"))
-    valid = Q._t(b, "labels") != -100
-    with torch.no_grad():
-        hs = llama.model(input_ids=x, attention_mask=att, output_hidden_states=True).hidden_states
-        with pm.disable_adapter():
-            h_base = llama.model(input_ids=x, attention_mask=att, output_hidden_states=True).hidden_states
-        # chunk 0's h (trained LoRA) -> layers 10, 11 at the base -> the lens after layer 11
-        got = ro.read(0, hs[10], valid, att, pos)
-        from exporter.readout_lens import apply
-        h = hs[10]
-        mask = torch.where(torch.ones(12, 12, dtype=torch.bool).tril()[None, None] & (att[:, None, None, :] > 0), 0.0,
-                           torch.finfo(torch.float32).min)
-        with pm.disable_adapter():
-            for layer in llama.model.layers[10:12]:
-                h = layer(h, attention_mask=mask, position_ids=pos, position_embeddings=llama.model.rotary_emb(h, pos))
-        torch.testing.assert_close(got, apply(h[valid], *lenses[11], llama.model.norm.variance_epsilon))
-        # the embedding's p_{k-1}: the base model's layers 0-1, then the lens after layer 1
-        torch.testing.assert_close(ro.read(-1, hs[0], valid, att, pos),
-                                   apply(h_base[2][valid], *lenses[1], llama.model.norm.variance_epsilon),
-                                   rtol=1e-4, atol=1e-5)
-        # the last chunk: the final norm, no layers
-        torch.testing.assert_close(ro.read(2, hs[30], valid, att, pos), llama.model.norm(hs[30][valid]))
-    tr = Q.Trainer(pm, "zl-tail2-lens", 1e-3, 12, 3, lenses)
-    losses = tr.micro_batch(b, 0)
-    assert set(losses) == {f"{t}_{k}" for t in ("task", "consis") for k in range(3)}
-    assert all(p.grad is not None for p in tr.params.values())
-    assert len(tr.chunk_cpu) == 3 and all(c > 0 for c in tr.chunk_cpu)  # each chunk's CPU share, counted
+    lenses = {k: (torch.eye(32), torch.zeros(32)) for k in (-1, 9, 19, *Q.tail_lens_boundaries("zl-tail2-lens"))}
+    pm = Q.peft_model(base, seed=0)
+    try:
+        bp = Q.Trainer(pm, "bp", 1e-3, 12, 3)
+        assert bp.alphas is None and bp.readout is None
+        zl = Q.Trainer(pm, "zl0.5", 1e-3, 12, 3)
+        assert zl.alphas == (0.5, 0.5, 0.5) and zl.readout is None and zl.chunks == Q.CHUNKS
+        lens = Q.Trainer(pm, "zl-last1-lens", 1e-3, 12, 3, lenses)
+        assert lens.alphas == (0.5, 0.5, 1.0) and type(lens.readout) is readouts.LensReadout
+        tail = Q.Trainer(pm, "zl-tail2-lens", 1e-3, 12, 3, lenses)
+        assert isinstance(tail.readout, readouts.TailReadout) and tail.readout.depth == 2
+        ra = Q.Trainer(pm, "zl0.5-ra", 1e-3, 12, 3)
+        assert isinstance(ra.readout, readouts.AdapterReadout) and "readout_adapter.0.up" in ra.params
+        last = Q.Trainer(pm, "zl-lastonly-lens", 1e-3, 12, 3, lenses)
+        assert last.lr_scales == (0.0, 0.0, 1.0) and len(last.opt) == 1  # no optimizer where the LR is 0
+    finally:
+        pm.unload()
 
 
 def test_tail_readouts_train_at_the_defaults_swept_rate_on_the_split_asked(tmp_path):
