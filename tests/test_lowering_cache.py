@@ -1,6 +1,7 @@
 """The XNNPACK partition cache (exporter/lowering_cache.py): its key tells partitions apart by
 everything but names, and an export through it still matches eager PyTorch (the XNNPACK export
 tests, tests/test_export_errors.py, run with it)."""
+import pytest
 import torch
 
 from exporter.lowering_cache import PreprocessCache, cached_xnnpack_preprocess, partition_key
@@ -91,26 +92,31 @@ def test_redundant_decompositions_are_skipped_and_needed_ones_run():
     assert functional.run_decompositions({}) is not functional  # outside the block: as torch does it
 
 
-def test_sorting_once_per_partitioning_gives_the_same_program(small_model_dir, monkeypatch):
-    """exporter/partition_sort.py defers only the regeneration of Python code: a chunk lowered
-    with it is byte for byte the one lowered without it."""
+@pytest.mark.parametrize("base_weights", ["fp32", "int4"])
+def test_sorting_once_per_partitioning_gives_the_same_program(small_model_dir, monkeypatch, base_weights):
+    """exporter/partition_sort.py sorts in place (no copy of every node per partition) and defers the
+    regeneration of Python code: a chunk lowered with it is byte for byte the one lowered with torch's
+    own sort, also on an int4 base (one delegate per decode op, where the copies were quadratic)."""
     import contextlib
 
     from exporter import lower
+    from exporter.base_weights import quantize_base
     from exporter.chunk_model import ChunkModel, add_lora, example_inputs, input_names
     from exporter.model_source import load_model_dir
     from exporter.two_phase import split_at_marker
 
     from .conftest import small_export_config
 
-    cfg = small_export_config(backend="xnnpack")
+    cfg = small_export_config(backend="xnnpack", base_weights=base_weights)
     model = load_model_dir(small_model_dir)
+    quantize_base(model, cfg.base_weights, cfg.decode_block_weights)
     chunk = ChunkModel(add_lora(model, cfg), 0, 1, cfg).eval()
     inputs = example_inputs(chunk, cfg, model.config.vocab_size, model.config.hidden_size)
 
     def lowered() -> bytes:
         split = split_at_marker(lower.joint_program(chunk, inputs), input_names(True))
-        return lower.lower_two_phase(split, "xnnpack", "chunk_0", cache=PreprocessCache()).buffer
+        return lower.lower_two_phase(split, "xnnpack", "chunk_0", quantized_base=base_weights != "fp32",
+                                     cache=PreprocessCache()).buffer
 
     legalized = []
     from exporter import partition_sort
