@@ -105,6 +105,9 @@ def test_load_checks_format_and_files(tmp_path):
     with pytest.raises(ManifestError, match="chunk_1_bp.pte does not match its sha256"):
         Manifest.load(tmp_path)
     assert Manifest.load(tmp_path, check_files=False).chunks[0].index == 0
+    (tmp_path / "manifest.json").write_text(json.dumps({**m, "files": [*m["files"], {"path": "x"}]}))
+    with pytest.raises(ManifestError, match="a files entry is"):  # named before the files are looked at
+        Manifest.load(tmp_path)
     (tmp_path / "manifest.json").write_text(json.dumps([m]))
     with pytest.raises(ManifestError, match="is not a ZeroLock export manifest"):
         Manifest.load(tmp_path)

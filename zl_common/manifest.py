@@ -138,7 +138,10 @@ class Manifest:
     @classmethod
     def load(cls, root: Path, check_files: bool = True) -> "Manifest":
         """An export directory's manifest (read_manifest), with its records checked."""
-        return cls.from_json(read_manifest(root, check_files), str(Path(root) / MANIFEST))
+        m = cls.from_json(read_manifest(root, check_files=False), str(Path(root) / MANIFEST))
+        if check_files:  # after the records are checked, so a malformed files list is named, not a KeyError
+            _check_files(Path(root), ((f.path, f.size, f.sha256) for f in m.files.values()))
+        return m
 
 
 def read_manifest(root: Path, check_files: bool = True) -> dict:
@@ -159,10 +162,15 @@ def read_manifest(root: Path, check_files: bool = True) -> dict:
         raise ManifestError(f"{path} has format version {m.get('format_version')}, this tool reads "
                             f"{FORMAT_VERSION}: re-export with this version of zl-export")
     if check_files:
-        for f in m["files"]:
-            p = root / f["path"]
-            if not p.is_file():
-                raise ManifestError(f"{p} listed in the manifest is missing: re-export, or copy the whole directory")
-            if p.stat().st_size != f["size"] or sha256_file(p) != f["sha256"]:
-                raise ManifestError(f"{p} does not match its sha256 in the manifest (corrupt or changed): re-export it")
+        _check_files(root, ((f["path"], f["size"], f["sha256"]) for f in m["files"]))
     return m
+
+
+def _check_files(root: Path, files) -> None:
+    """Every (path, size, sha256) exists under root with that size and sha256."""
+    for path, size, sha in files:
+        p = root / path
+        if not p.is_file():
+            raise ManifestError(f"{p} listed in the manifest is missing: re-export, or copy the whole directory")
+        if p.stat().st_size != size or sha256_file(p) != sha:
+            raise ManifestError(f"{p} does not match its sha256 in the manifest (corrupt or changed): re-export it")
