@@ -72,8 +72,10 @@ class Coordinator:
         sizes = {p: f.size for p, f in self.files.items()}
         # refused before any phone is touched if it could not cover a failure (PlanError)
         self.horizon = settings.checked_horizon(len(self.chunks))
-        # keep_order: devices[k] runs chunk k (a zl-host plan chose them); else by memory
-        ordered = devices[:len(self.chunks)] if keep_order else assign_by_memory([c.json for c in self.chunks], devices, sizes)
+        # each chunk's entry for the schedule: an export without its programs is refused here, before any phone
+        self.entries = [self._entry(k) for k in range(len(self.chunks))]
+        # keep_order: devices[k] runs chunk k (a zl-host plan chose them); else by the memory of the program each runs
+        ordered = devices[:len(self.chunks)] if keep_order else assign_by_memory(self.entries, devices, sizes)
         self.stages = [StageState(k, d) for k, d in enumerate(ordered)]
         # token of the link into stage k; kept in run.json so a resumed host reaches running stages
         self.link_tokens = link_tokens or [secrets.token_hex(32) for _ in range(len(self.chunks))]
@@ -116,7 +118,7 @@ class Coordinator:
             raise RunError(f"schedule {self.settings.schedule}: {e}") from None
 
     def _push(self, st: StageState) -> None:
-        chunk = self._entry(st.k)
+        chunk = self.entries[st.k]
         if EAGER_CAPABILITY in (st.client.hello.get("capabilities") or []):  # runs the chunk in eager PyTorch
             runtime = [(chunk.eager_weights, "weights")] if chunk.eager_weights is not None else []  # else it says: re-export
         else:
@@ -169,7 +171,7 @@ class Coordinator:
             "run_id": self.run_id, "stage": st.k, "num_stages": len(self.stages),
             "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
             "downstream": self._address(st, nxt) if nxt else None,
-            "program_sha256": self.files[self._entry(st.k).program].sha256,
+            "program_sha256": self.files[self.entries[st.k].program].sha256,
             "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": self.horizon,
             "buffer_capacity": s.inflight_depth, "schedule": s.schedule,
             "upstream_token": self.link_tokens[st.k], "config": conf,

@@ -139,3 +139,38 @@ def test_a_phone_refuses_a_malformed_manifest_in_one_line(tmp_path):
         device.handle(Message(MsgType.STAGE_ASSIGN, {**meta, "schedule": "gpipe"}))
     assert e.value.code.value == "REJECTED"
     assert e.value.message == "schedule gpipe: chunk 1 has no BP program: re-export with zl-export --mode bp or both"
+
+
+def _export_on_disk(root, m: dict):
+    """m written as an export directory whose listed files exist with the recorded sha256."""
+    root.mkdir()
+    for f in m["files"]:
+        (root / f["path"]).write_bytes(b"x")
+        f["sha256"] = hashlib.sha256(b"x").hexdigest()
+    (root / "manifest.json").write_text(json.dumps(m))
+    return root
+
+
+def test_the_coordinator_takes_each_chunks_entry_for_the_schedule(tmp_path):
+    """The devices are weighed by the program each runs (a BP stage by its BP activations), and an
+    export without the schedule's programs is refused in one line before any phone is touched."""
+    from host.coordinator import Coordinator, DeviceHandle, RunError
+    from host.plan import RunSettings
+
+    m = _manifest()
+    m["chunks"][0]["bp"]["saved_activation_bytes"] = 1000  # chunk 0's BP stage holds the most; chunk 1's ZeroLock one
+    export = _export_on_disk(tmp_path / "export", m)
+    big, small = DeviceHandle("big", "127.0.0.1:1", "t", memory_bytes=2 << 30), DeviceHandle("small", "127.0.0.1:2", "t", 1 << 30)
+    for schedule, order in (("zerolock", ["small", "big"]), ("gpipe", ["big", "small"])):
+        co = Coordinator(export, [small, big], [], RunSettings(schedule=schedule), tmp_path / f"run-{schedule}")
+        co.metrics.close()
+        assert [st.device.name for st in co.stages] == order
+        assert [e.program for e in co.entries] == (["chunk_0.pte", "chunk_1.pte"] if schedule == "zerolock"
+                                                   else ["chunk_0_bp.pte", "chunk_1_bp.pte"])
+    for bp, schedule, words in ((False, "1f1b", "chunk 0 has no BP program"),
+                                (True, "zerolock", "chunk 0 has no ZeroLock program")):
+        export = _export_on_disk(tmp_path / f"export-{schedule}", _manifest(zerolock=not bp, bp=bp))
+        with pytest.raises(RunError) as e:
+            Coordinator(export, [small, big], [], RunSettings(schedule=schedule), tmp_path / "refused")
+        assert str(e.value).startswith(f"schedule {schedule}: {words}") and "\n" not in str(e.value)
+        assert not (tmp_path / "refused" / "metrics.jsonl").exists()
