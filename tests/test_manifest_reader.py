@@ -174,3 +174,16 @@ def test_the_coordinator_takes_each_chunks_entry_for_the_schedule(tmp_path):
             Coordinator(export, [small, big], [], RunSettings(schedule=schedule), tmp_path / "refused")
         assert str(e.value).startswith(f"schedule {schedule}: {words}") and "\n" not in str(e.value)
         assert not (tmp_path / "refused" / "metrics.jsonl").exists()
+
+
+def test_the_least_memory_a_phone_needs_is_that_of_the_schedules_program(tmp_path):
+    """`--devices auto` passes over phones with less (host.device_problems): the floor is weighed as
+    the coordinator weighs the chunks, and an export without the schedule's programs sets none."""
+    from host.device_problems import min_chunk_bytes
+
+    m = _manifest()
+    m["chunks"][0]["bp"]["saved_activation_bytes"] = 1000
+    export = _export_on_disk(tmp_path / "export", m)  # every file 1 byte
+    assert min_chunk_bytes(export, m) == 1 + 100
+    assert min_chunk_bytes(export, m, "1f1b") == 1 + 201
+    assert min_chunk_bytes(export, _manifest(bp=False), "gpipe") == 0
