@@ -71,6 +71,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, MiB, bench_micro_batches, cpu_shares, machine, now_iso, run_on_phones  # noqa: E402
 
+from zl_common.manifest import ChunkEntry  # noqa: E402
+
 warnings.filterwarnings("ignore")
 
 LINKS = {None: "Local", 300.0: "Wi-Fi", 100.0: "Mobile", 50.0: "Constrained"}
@@ -147,7 +149,7 @@ def analyse(result, records, chunks, schedule, window_size, micro_batch, windows
         weights = max((r.get("pss_weights_bytes") or 0 for r in win if r["stage"] == k), default=0) or None
         rs = sorted((r for r in tel if r["stage"] == k), key=lambda r: r["phase2_end"])
         chunk = chunks[k]
-        saved = chunk["bp"]["saved_activation_bytes"] if schedule != "zerolock" else chunk["saved_activation_bytes"]
+        saved = ChunkEntry.from_json(chunk).for_schedule(schedule).saved_activation_bytes
         held = max(r.get("in_flight", 0) for r in rs) + 1  # telemetry is sent after the step popped its own
         steady = [r for r in rs if r["window"] >= 1]
         a0 = next((r for r in rs if r["window"] == 0 and r["micro_batch"] == window_size - 1), rs[0])

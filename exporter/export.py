@@ -3,7 +3,7 @@
 Modes: "zerolock" (chunk_k.pte: local-loss training, the default) and "bp" (chunk_k_bp.pte:
 a back-propagation pipeline stage for the GPipe / 1F1B / PipeDream baselines; same chunks,
 same LoRA). Both kinds of program have methods phase1 and phase2, described in the manifest:
-the ZeroLock ones in the chunk entry, the BP ones in its "bp" object (see manifest.chunk_entry_for).
+the ZeroLock ones in the chunk entry, the BP ones in its "bp" object (see zl_common.manifest.ChunkEntry.for_mode).
 
 Writes into a temporary sibling directory and renames it into place at the end, so an
 interrupted export never leaves something that looks complete."""

@@ -174,10 +174,10 @@ def eager_bp_step(chunk, inputs, lora_global: dict, to_local: dict):
 
 def verify_bp_chunk(out_dir: Path, art, cfg, hf_cfg, seed: int = 0) -> dict[str, dict]:
     from .chunk_model import peft_name
-    from .manifest import chunk_entry_for
+    from .manifest import ChunkEntry
 
     chunk = art.bp_chunk
-    entry = chunk_entry_for(art.entry, "bp")
+    entry = ChunkEntry.from_json(art.entry).for_mode("bp").json
     to_local = {peft_name(n, art.first): n for n in chunk.lora_parameters()}
     inputs = bp_example_inputs(chunk, cfg, hf_cfg.vocab_size, hf_cfg.hidden_size, seed=seed + 1)
     batch = dict(zip(bp_input_names(chunk.is_first, chunk.is_last), inputs))

@@ -13,7 +13,7 @@ from typing import Callable
 
 import numpy as np
 
-from exporter.manifest import load_manifest
+from zl_common.manifest import ChunkEntry, Manifest, ManifestError
 from zl_mobile.backends import EAGER_CAPABILITY
 from zl_mobile.links import OutboundLink
 from zl_mobile.protocol import Message, MsgType
@@ -59,8 +59,8 @@ class Coordinator:
                  settings: RunSettings, run_dir: Path, run_id: str | None = None, on_event=None,
                  link_tokens: list[str] | None = None, links=None, keep_order: bool = False, sink=None):
         self.export_dir = Path(export_dir)
-        self.manifest = load_manifest(self.export_dir)
-        self.chunks = self.manifest["chunks"]
+        self.manifest = Manifest.load(self.export_dir)
+        self.chunks = self.manifest.chunks
         self.settings = settings
         self.micro_batches = micro_batches
         self.run_dir = Path(run_dir)
@@ -68,12 +68,14 @@ class Coordinator:
         self.run_id = run_id or time.strftime("run-%Y%m%d-%H%M%S")
         self.events: "queue.Queue[Event]" = queue.Queue()
         self.on_event = on_event or (lambda kind, data: None)
-        self.files = {f["path"]: f for f in self.manifest["files"]}
-        sizes = {p: f["size"] for p, f in self.files.items()}
+        self.files = self.manifest.files
+        sizes = {p: f.size for p, f in self.files.items()}
         # refused before any phone is touched if it could not cover a failure (PlanError)
         self.horizon = settings.checked_horizon(len(self.chunks))
-        # keep_order: devices[k] runs chunk k (a zl-host plan chose them); else by memory
-        ordered = devices[:len(self.chunks)] if keep_order else assign_by_memory(self.chunks, devices, sizes)
+        # each chunk's entry for the schedule: an export without its programs is refused here, before any phone
+        self.entries = [self._entry(k) for k in range(len(self.chunks))]
+        # keep_order: devices[k] runs chunk k (a zl-host plan chose them); else by the memory of the program each runs
+        ordered = devices[:len(self.chunks)] if keep_order else assign_by_memory(self.entries, devices, sizes)
         self.stages = [StageState(k, d) for k, d in enumerate(ordered)]
         # token of the link into stage k; kept in run.json so a resumed host reaches running stages
         self.link_tokens = link_tokens or [secrets.token_hex(32) for _ in range(len(self.chunks))]
@@ -108,22 +110,21 @@ class Coordinator:
                            f"{PROTOCOL_VERSION}: "
                            "update the app or zl_mobile on the device")
 
-    def _entry(self, k: int) -> dict:
-        chunk = self.chunks[k]
-        return {**chunk, **chunk["bp"]} if self.settings.schedule != "zerolock" and "bp" in chunk else chunk
+    def _entry(self, k: int) -> ChunkEntry:
+        """Chunk k's entry for the run's schedule (BP baselines run the chunk's BP program)."""
+        try:
+            return self.chunks[k].for_schedule(self.settings.schedule)
+        except ManifestError as e:
+            raise RunError(f"schedule {self.settings.schedule}: {e}") from None
 
     def _push(self, st: StageState) -> None:
-        chunk = self.chunks[st.k]
-        if self.settings.schedule != "zerolock":  # BP baselines run the chunk's BP program
-            if "bp" not in chunk:
-                raise RunError(f"schedule {self.settings.schedule} needs BP programs: export with zl-export --mode both")
-            chunk = {**chunk, **chunk["bp"]}
+        chunk = self.entries[st.k]
         if EAGER_CAPABILITY in (st.client.hello.get("capabilities") or []):  # runs the chunk in eager PyTorch
-            runtime = [(chunk["eager_weights"], "weights")] if "eager_weights" in chunk else []  # else it says: re-export
+            runtime = [(chunk.eager_weights, "weights")] if chunk.eager_weights is not None else []  # else it says: re-export
         else:
-            runtime = [(chunk["program"], "program"), (chunk["weights"], "weights")]
-        for rel, kind in [("manifest.json", "manifest"), *runtime, (chunk["lora_init"], "other")]:
-            sha = self.files[rel]["sha256"] if rel in self.files else _sha(self.export_dir / rel)
+            runtime = [(chunk.program, "program"), (chunk.weights, "weights")]
+        for rel, kind in [("manifest.json", "manifest"), *runtime, (chunk.lora_init, "other")]:
+            sha = self.files[rel].sha256 if rel in self.files else _sha(self.export_dir / rel)
             sent, via = None, "protocol"
             if st.device.serial is not None and self.links is not None:
                 from .adb import AdbCommandError
@@ -169,7 +170,7 @@ class Coordinator:
             "run_id": self.run_id, "stage": st.k, "num_stages": len(self.stages),
             "upstream": "host" if st.k == 0 else self.stages[st.k - 1].device.endpoint,
             "downstream": self._address(st, nxt) if nxt else None,
-            "program_sha256": self.files[self._entry(st.k)["program"]]["sha256"],
+            "program_sha256": self.files[self.entries[st.k].program].sha256,
             "window_size": s.window_size, "inflight_depth": s.inflight_depth, "replay_horizon": self.horizon,
             "buffer_capacity": s.inflight_depth, "schedule": s.schedule,
             "upstream_token": self.link_tokens[st.k], "config": conf,

@@ -6,16 +6,22 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def min_chunk_bytes(program: Path, manifest: dict) -> int:
-    """The least memory any chunk needs (its frozen weights + saved activations, as
-    host.plan.assign_by_memory weighs them): a phone advertising less can run none of them."""
+def min_chunk_bytes(program: Path, manifest: dict, schedule: str = "zerolock") -> int:
+    """The least memory any chunk needs (the frozen weights + saved activations of the program the
+    schedule runs, as host.plan.assign_by_memory weighs them): a phone advertising less can run none."""
+    from zl_common.manifest import Manifest, ManifestError
+
+    try:
+        entries = [c.for_schedule(schedule) for c in Manifest.from_json(manifest).chunks]
+    except ManifestError:
+        return 0  # no floor: the coordinator names what the export lacks
     need = []
-    for c in manifest.get("chunks", []):
+    for c in entries:
         try:
-            weights = (Path(program) / c["weights"]).stat().st_size
-        except (KeyError, TypeError, OSError):
+            weights = (Path(program) / c.weights).stat().st_size
+        except (TypeError, OSError):
             weights = 0
-        need.append(weights + int(c.get("saved_activation_bytes") or 0))
+        need.append(weights + (c.saved_activation_bytes or 0))
     return min(need, default=0)
 
 

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from zl_common.manifest import Manifest, ManifestError
 from zl_mobile.checkpoint import CheckpointStore
 from zl_mobile.readout import readout_positions
 from zl_mobile.schedules import schedule
@@ -123,9 +124,8 @@ def pick_device(spec: str) -> torch.device:
 
 
 def load_run_inputs(a):
-    """(manifest, train micro-batches, windows): the data exactly as `zl-host run` prepares it."""
-    from exporter.manifest import ManifestError, load_manifest
-
+    """(manifest (zl_common.manifest.Manifest), train micro-batches, windows): the data exactly as
+    `zl-host run` prepares it."""
     from .cli_error import CliError
     from .evaluate import split_held_out
     from .run_config import RunConfig
@@ -133,8 +133,8 @@ def load_run_inputs(a):
 
     program = Path(a.program)
     try:
-        manifest = load_manifest(program)
-        train, _ = split_held_out(prepare_data(program, manifest, a.data))
+        manifest = Manifest.load(program)
+        train, _ = split_held_out(prepare_data(program, manifest.json, a.data))
     except (ManifestError, CliError) as e:
         raise DistError(str(e)) from None
     return manifest, train, RunConfig.from_args(a).windows_for(len(train))  # zl-host run's rule
@@ -145,18 +145,21 @@ class DistStage:
     """Chunk k on rank k: the schedule's actions, hidden states over torch.distributed p2p; the
     training itself is the phones' (zl_mobile/stage_core.StageCore)."""
 
-    def __init__(self, a, manifest: dict, train: list, windows: int, device: torch.device, ctrl, wire_device):
+    def __init__(self, a, manifest: Manifest, train: list, windows: int, device: torch.device, ctrl, wire_device):
         from zl_mobile.eager_program import EagerChunkProgram
 
         self.a = a
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.k = self.rank
-        chunks = manifest["chunks"]
+        chunks = manifest.chunks
         if self.world != len(chunks):
             raise DistError(f"{len(chunks)} chunks need {len(chunks)} ranks, torchrun started {self.world}: "
                             f"use --nproc-per-node {len(chunks)} (or nnodes x nproc-per-node = {len(chunks)})")
-        chunk = chunks[self.k]
-        export = manifest["export"]
+        try:  # the rank runs the ZeroLock program's methods, in eager PyTorch
+            chunk = chunks[self.k].for_mode("zerolock")
+        except ManifestError as e:
+            raise DistError(f"schedule zerolock: {e}") from None
+        export = manifest.export
         self.W, self.windows, self.total = a.window, windows, windows * a.window
         self.train = train
         self.ctrl = ctrl
@@ -164,11 +167,11 @@ class DistStage:
         self.run_id = f"{Path(a.out).resolve().name}-{a.schedule}"
         self.wire = wire_device  # (device of h on the link from k-1, device of h on the link to k+1)
         self.device = device
-        self.program = EagerChunkProgram(Path(a.program), chunk, device)
-        self.first_input = chunk["first_input"]
+        self.program = EagerChunkProgram(Path(a.program), chunk.json, device)
+        self.first_input = chunk.first_input
         self.readout_rows = export["readout_rows"]
         self.alpha = torch.tensor([a.alpha if a.alpha is not None else export["alpha"]], dtype=torch.float32)
-        self.shape = (export["micro_batch"], export["seq_len"], manifest["model"]["hf_config"]["hidden_size"])
+        self.shape = (export["micro_batch"], export["seq_len"], manifest.model["hf_config"]["hidden_size"])
         run_dir = Path(a.out)
         self.run_dir = run_dir
         self.store = CheckpointStore(run_dir / "stages" / f"stage_{self.k}")
@@ -180,7 +183,7 @@ class DistStage:
         self.faults = Faults([f for f in (a.inject_failure or []) if f["stage"] == self.k], store=self.store, stage=self.k,
                              marker=lambda point, w: run_dir / f"failure-injected-{self.k}-{w}-{point}",
                              on_fire=lambda point, w: self._record("FAILURE_INJECTED", {"window": w, "point": point}))
-        self.core = StageCore(self.program, Path(a.program) / chunk["lora_init"], self.store, stage=self.k,
+        self.core = StageCore(self.program, Path(a.program) / chunk.lora_init, self.store, stage=self.k,
                               window_size=a.window, lr=a.lr, weight_decay=a.weight_decay, faults=self.faults)
         self.clock = self.core.clock
         self._pending = {}
@@ -193,7 +196,7 @@ class DistStage:
         (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
         self.metrics = open(run_dir / "ranks" / f"rank_{self.k}.jsonl", "a")
         from .tensorboard_log import RunEvents  # each rank its own stage's curves, live (tensorboard --logdir)
-        self.board = RunEvents(run_dir, manifest["export"]["micro_batch"])
+        self.board = RunEvents(run_dir, export["micro_batch"])
         take_peak_rss_bytes()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
@@ -379,7 +382,7 @@ class DistStage:
 
 
 # ------------------------------------------------------------------ the run directory (rank 0)
-def write_run_dir(a, manifest: dict, windows: int, run_id: str, seconds: float, lora: dict, records: list,
+def write_run_dir(a, manifest: Manifest, windows: int, run_id: str, seconds: float, lora: dict, records: list,
                   extra: dict | None = None) -> Path:
     """The same run directory `zl-host run` writes, with the host's code."""
     from .adapter import base_model_path, write_peft_adapter
@@ -391,9 +394,9 @@ def write_run_dir(a, manifest: dict, windows: int, run_id: str, seconds: float, 
     with open(run_dir / "metrics.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
-    adapter = write_peft_adapter(lora, manifest, run_dir / "adapter", base_model_path(program, manifest))
+    adapter = write_peft_adapter(lora, manifest.json, run_dir / "adapter", base_model_path(program, manifest.json))
     mbs = windows * a.window
-    rows = mbs * manifest["export"]["micro_batch"]
+    rows = mbs * manifest.export["micro_batch"]
     summary = {"run_id": run_id, "program": str(program), "data": a.data or "synthetic", "windows": windows,
                "window_size": a.window, "micro_batches": mbs, "lr": a.lr, "seconds": seconds,
                "samples_per_s": rows / seconds if seconds else 0.0, "schedule": a.schedule,
@@ -488,7 +491,7 @@ def run(a) -> int:
     return 0
 
 
-def _run_one(a, manifest, train, windows, device, ctrl, wire) -> None:
+def _run_one(a, manifest: Manifest, train, windows, device, ctrl, wire) -> None:
     rank = dist.get_rank()
     run_id = f"dist-{Path(a.out).resolve().name}"
     if rank == 0:
@@ -521,7 +524,7 @@ def _run_one(a, manifest, train, windows, device, ctrl, wire) -> None:
         per_rank = {f"rank_{i}": part[2] for i, part in enumerate(got) if part[2]}
         if a.schedule != "zerolock":  # torch's schedules log windows only, at the end: rank 0 writes their events
             from .tensorboard_log import RunEvents
-            board = RunEvents(Path(a.out), manifest["export"]["micro_batch"])
+            board = RunEvents(Path(a.out), manifest.export["micro_batch"])
             for r in sorted(records, key=lambda r: r["t"]):
                 board.on_event(r["type"].lower(), r)
             board.close()

@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from zl_common.manifest import Manifest
+from zl_common.program import ProgramError
 from zl_mobile.adamw import AdamW, AdamWConfig
 from zl_mobile.readout import readout_positions
 from zl_mobile.telemetry import read_pss_bytes, take_peak_rss_bytes
@@ -40,22 +42,24 @@ from zl_mobile.telemetry import read_pss_bytes, take_peak_rss_bytes
 BASELINES = ("gpipe", "1f1b", "zerobubble")
 
 
-def build_bp_chunk(export_dir: Path, manifest: dict, k: int, device: torch.device):
+def build_bp_chunk(export_dir: Path, manifest: Manifest, k: int, device: torch.device):
     """Chunk k as a BPChunkModel with trainable LoRA parameters set to the export's lora_init.
     Returns (chunk, {manifest LoRA name: parameter})."""
     from safetensors.torch import load_file
 
     from exporter.chunk_model import PROBE, peft_name
-    from zl_mobile.eager_program import _build_chunk, _export_config
+    from zl_mobile.eager_program import EAGER_FIX, _build_chunk, _export_config
 
-    chunk_entry = manifest["chunks"][k]
-    first, last = chunk_entry["layers"]
-    cfg = _export_config(manifest["export"])
-    chunk = _build_chunk(Path(export_dir) / chunk_entry["eager_weights"], manifest["model"]["hf_config"], cfg,
-                         first, last, bp_last=k == len(manifest["chunks"]) - 1)
+    entry = manifest.chunks[k]  # eager: the chunk's frozen weights and LoRA init, no program of either mode
+    if entry.eager_weights is None:
+        raise ProgramError(f"the export has no eager-backend weights for chunk {k}: {EAGER_FIX}")
+    first, last = entry.layers
+    cfg = _export_config(manifest.export)
+    chunk = _build_chunk(Path(export_dir) / entry.eager_weights, manifest.model["hf_config"], cfg,
+                         first, last, bp_last=k == len(manifest.chunks) - 1)
     if hasattr(chunk, PROBE):  # the BP programs' zero probe for dL/dh_{k-1}: autograd gives it here
         getattr(chunk, PROBE).requires_grad_(False)
-    init = load_file(str(Path(export_dir) / chunk_entry["lora_init"]))
+    init = load_file(str(Path(export_dir) / entry.lora_init))
     lora = {}
     for n, p in chunk.lora_parameters().items():
         name = peft_name(n, first)
@@ -108,7 +112,7 @@ def make_schedule(name: str, stage, n_microbatches: int, loss_fn):
     raise ValueError(f"unknown baseline {name!r}: use one of {', '.join(BASELINES)}")
 
 
-def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.device, ctrl):
+def run_baseline(a, manifest: Manifest, train: list, windows: int, device: torch.device, ctrl):
     """Train `windows` update windows with torch's schedule; writes window TELEMETRY records to the
     rank's metrics file. Returns (LoRA as numpy, per-rank summary)."""
     from safetensors.torch import save_file
@@ -119,8 +123,8 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
     chunk, lora = build_bp_chunk(Path(a.program), manifest, k, device)
     # static shapes (the export's micro-batch): no metadata round at the first step (which, inferred
     # at run time, deadlocked here); the inputs' requires_grad tells the stage to send dL/dh_{k-1}
-    B, S = manifest["export"]["micro_batch"], manifest["export"]["seq_len"]
-    d = manifest["model"]["hf_config"]["hidden_size"]
+    B, S = manifest.export["micro_batch"], manifest.export["seq_len"]
+    d = manifest.model["hf_config"]["hidden_size"]
     h = torch.empty(B, S, d, device=wire, requires_grad=True)  # requires_grad: dL/dh crosses this link
     x_in = torch.empty(B, S, dtype=torch.long, device=wire) if k == 0 else h
     stage = PipelineStage(PipeChunk(chunk, device, wire), k, world, wire, input_args=(x_in,), output_args=(h,),
@@ -130,7 +134,7 @@ def run_baseline(a, manifest: dict, train: list, windows: int, device: torch.dev
     W = a.window
     # every rank passes a loss_fn: torch's schedules run backward only where one is given (only the
     # last stage calls it)
-    loss_fn = make_loss_fn(chunk, manifest["export"]["readout_rows"], device) if k == world - 1 else _not_last
+    loss_fn = make_loss_fn(chunk, manifest.export["readout_rows"], device) if k == world - 1 else _not_last
     sched = make_schedule(a.schedule, stage, W, loss_fn)
     out = Path(a.out)
     (out / "ranks").mkdir(parents=True, exist_ok=True)

@@ -2,6 +2,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zl_common.manifest import ChunkEntry
 
 
 class PlanError(Exception):
@@ -110,13 +114,14 @@ def min_replay_horizon(schedule: str, window_size: int, num_stages: int) -> int:
     return window_size + ahead
 
 
-def assign_by_memory(chunks: list[dict], devices: list, file_sizes: dict) -> list:
-    """Chunk k -> device, the biggest chunk (weights + saved activations) on the device with the
-    most memory. Returns the devices reordered so that result[k] runs chunk k."""
+def assign_by_memory(chunks: list[ChunkEntry], devices: list, file_sizes: dict) -> list:
+    """Chunk k -> device, the biggest chunk (weights + saved activations of the entry it runs,
+    ChunkEntry.for_schedule's) on the device with the most memory. Returns the devices reordered
+    so that result[k] runs chunk k."""
     if len(devices) < len(chunks):
         raise PlanError(f"{len(devices)} device(s) for {len(chunks)} chunks: start or connect "
                         f"{len(chunks) - len(devices)} more (zl-host emulate N, or phones with the app open)")
-    need = sorted(range(len(chunks)), key=lambda k: -(file_sizes[chunks[k]["weights"]] + chunks[k]["saved_activation_bytes"]))
+    need = sorted(range(len(chunks)), key=lambda k: -(file_sizes[chunks[k].weights] + chunks[k].saved_activation_bytes))
     by_mem = sorted(devices, key=lambda d: -d.memory_bytes)
     out = [None] * len(chunks)
     for k, dev in zip(need, by_mem):

@@ -197,7 +197,7 @@ def _real(cfg: RunConfig, job: Job) -> Devices:
     try:
         from .device_problems import min_chunk_bytes
         handles = resolve_devices(job.devices, job.stages, load_tokens(cfg.tokens), cfg.wait, cfg.mdns, links=adb,
-                                  min_bytes=min_chunk_bytes(job.program, job.manifest))
+                                  min_bytes=min_chunk_bytes(job.program, job.manifest, job.settings.schedule))
     except DeviceLookupError as e:
         adb.close()
         raise CliError(str(e)) from None

@@ -151,7 +151,7 @@ def _whole_model_grads(model_dir, manifest, lora: dict, mbs: list) -> dict:
     from zl_mobile.eager_program import _export_config
     from zl_mobile.readout import readout_positions
 
-    full = get_peft_model(LlamaForCausalLM.from_pretrained(model_dir), lora_config(_export_config(manifest["export"])))
+    full = get_peft_model(LlamaForCausalLM.from_pretrained(model_dir), lora_config(_export_config(manifest.export)))
     params = {n.replace(".default.", "."): p for n, p in full.named_parameters() if "lora_" in n}
     assert set(params) == set(lora)
     with torch.no_grad():
@@ -159,7 +159,7 @@ def _whole_model_grads(model_dir, manifest, lora: dict, mbs: list) -> dict:
             params[n].copy_(v)
     for b in mbs:
         idx, tgt, w, _ = (torch.from_numpy(x) if isinstance(x, np.ndarray) else x
-                          for x in readout_positions(b["labels"], manifest["export"]["readout_rows"]))
+                          for x in readout_positions(b["labels"], manifest.export["readout_rows"]))
         logits = full(input_ids=torch.from_numpy(b["input_ids"]), attention_mask=torch.from_numpy(b["attention_mask"]),
                       position_ids=torch.from_numpy(b["position_ids"])).logits
         z = logits.reshape(-1, logits.shape[-1]).index_select(0, idx)

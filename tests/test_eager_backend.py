@@ -15,11 +15,12 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from exporter.manifest import chunk_entry_for, load_manifest
+from exporter.manifest import load_manifest
 from exporter.verify import bp_zero_probe, sample_lora
 from host.plan import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 from tests.test_export_bp import _batch
+from zl_common.manifest import ChunkEntry
 from zl_common.program import ChunkProgram, ProgramError
 from zl_mobile.backends import EAGER_CAPABILITY, Backend
 from zl_mobile.eager_program import GRAPH, EagerChunkProgram
@@ -108,7 +109,7 @@ def test_eager_program_equals_executorch_zerolock(fp32_or_int8_export):
 def test_eager_program_equals_executorch_bp(fp32_or_int8_export):
     """The BP stages as a pipeline: forwards, then backwards passing grad_h_in upstream."""
     out, manifest, _, cfg = fp32_or_int8_export
-    entries = [chunk_entry_for(c, "bp") for c in manifest["chunks"]]
+    entries = [ChunkEntry.from_json(c).for_mode("bp").json for c in manifest["chunks"]]
     b = _batch(cfg, 512, seed=4)
     loras = [sample_lora(e, seed=10 + k) for k, e in enumerate(entries)]
     results = {}
@@ -139,7 +140,7 @@ def test_eager_phase2_runs_no_layer_forward(small_export):
     """Phase 2 back-propagates through phase 1's graph: no decoder layer runs again."""
     out, manifest, _, cfg = small_export
     for mode in ("zerolock", "bp"):
-        c = chunk_entry_for(manifest["chunks"][1], mode)
+        c = ChunkEntry.from_json(manifest["chunks"][1]).for_mode(mode).json
         p = EagerChunkProgram(out, c)
         calls = []
         for layer in p.module.layers:

@@ -8,9 +8,10 @@ from transformers import LlamaForCausalLM
 
 from exporter.chunk_model import PROBE, PROBE_GRAD, bp_example_inputs, bp_input_names, lora_config
 from exporter.lower import joint_program
-from exporter.manifest import ManifestError, chunk_entry_for, load_manifest
+from exporter.manifest import ManifestError, load_manifest
 from exporter.two_phase import split_at_marker
 from exporter.verify import bp_zero_probe, run_named, sample_lora, verify_all
+from zl_common.manifest import ChunkEntry
 from zl_common.program import ChunkProgram
 
 from .conftest import SMALL_CHUNKS, matmul_flops, small_export_config
@@ -62,9 +63,9 @@ def test_manifest_describes_the_bp_programs(bp_export):
         else:
             assert _names(p2, "outputs") == ["loss", PROBE_GRAD] + grads
             assert _names(p2, "inputs")[-3:] == ["loss_index", "loss_target", "loss_weight"]
-        assert chunk_entry_for(c, "bp")["methods"] is bp["methods"]
+        assert ChunkEntry.from_json(c).for_mode("bp").json["methods"] is bp["methods"]
         with pytest.raises(ManifestError):
-            chunk_entry_for(c, "zerolock")
+            ChunkEntry.from_json(c).for_mode("zerolock")
 
 
 def _batch(cfg, vocab, seed=0):
@@ -105,7 +106,7 @@ def test_bp_pipeline_equals_eager_backprop(bp_export, small_model_dir):
     out, manifest, artifacts, cfg = bp_export
     vocab = manifest["model"]["config"]["vocab_size"]
     b = _batch(cfg, vocab, seed=4)
-    entries = [chunk_entry_for(c, "bp") for c in manifest["chunks"]]
+    entries = [ChunkEntry.from_json(c).for_mode("bp").json for c in manifest["chunks"]]
     stages = [ChunkProgram(out, e) for e in entries]
     loras = [sample_lora(e, seed=10 + k) for k, e in enumerate(entries)]
 
@@ -182,8 +183,8 @@ def test_bp_weights_share_the_zerolock_file(small_model_dir, tmp_path):
     assert c["program"] == "chunk_0.pte" and c["bp"]["program"] == "chunk_0_bp.pte"
     assert c["bp"]["weights"] == c["weights"] == "chunk_0.ptd"
     assert not (tmp_path / "out" / "chunk_0_bp.ptd").exists()
-    assert chunk_entry_for(c, "zerolock") is c
-    e = chunk_entry_for(c, "bp")
+    assert ChunkEntry.from_json(c).for_mode("zerolock").json is c
+    e = ChunkEntry.from_json(c).for_mode("bp").json
     assert PROBE not in _names(e["methods"]["phase1"], "inputs")
     assert _names(e["methods"]["phase2"], "outputs")[0] == "loss"
     assert PROBE_GRAD not in _names(e["methods"]["phase2"], "outputs")

@@ -15,6 +15,7 @@ from exporter.lower import joint_program, lower_joint
 from exporter.manifest import load_manifest
 from exporter.two_phase import split_at_marker
 from exporter.verify import failures, sample_lora, verify_all, verify_chunk
+from zl_common.manifest import MODES, ChunkEntry
 from zl_common.program import ChunkProgram
 
 from .conftest import matmul_flops
@@ -274,7 +275,7 @@ def test_the_android_training_module_route_runs_the_programs_as_the_phone_does(s
 
     out, manifest, artifacts, cfg = small_export
     for chunk, art in zip(manifest["chunks"], artifacts):
-        for entry in (chunk, {**chunk, **chunk["bp"]}):  # ZeroLock's programs and backprop's
+        for entry in (ChunkEntry.from_json(chunk).for_mode(m).json for m in MODES):  # ZeroLock's programs and backprop's
             batch = dict(zip(input_names(art.chunk.is_first), example_inputs(art.chunk, cfg, 512, 64, seed=7)))
             android, direct = AndroidRoute(out, entry), DirectProgram(out, entry)
             values = fill(direct, "phase1", batch | sample_lora(entry, seed=8), torch.Generator().manual_seed(8))

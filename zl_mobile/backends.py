@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from zl_common.manifest import ChunkEntry
+
 BACKENDS = ("executorch", "eager")
 EAGER_CAPABILITY = "eager-torch"  # in HELLO capabilities: the host pushes the eager weights, not the .pte/.ptd
 
@@ -66,16 +68,16 @@ class Backend:
         runtime = ["executorch"] if self.name == "executorch" else [EAGER_CAPABILITY, f"torch-{self.torch_device}"]
         return runtime + ["lora", "replay", "two-phase"]
 
-    def chunk_files(self, chunk: dict) -> tuple[str, ...]:
-        """Keys of the chunk entry (zerolock, or BP merged) naming files this device must hold."""
+    def chunk_files(self, chunk: ChunkEntry) -> tuple[str, ...]:
+        """The fields of the chunk's entry (ChunkEntry.for_mode's) naming files this device must hold."""
         if self.name == "executorch":
             return ("program", "weights", "lora_init")
-        if "eager_weights" not in chunk:
+        if chunk.eager_weights is None:
             from zl_common.program import ProgramError
 
             from .eager_program import EAGER_FIX
 
-            raise ProgramError(f"the export has no eager-backend weights for chunk {chunk.get('index')}: {EAGER_FIX}")
+            raise ProgramError(f"the export has no eager-backend weights for chunk {chunk.index}: {EAGER_FIX}")
         return ("eager_weights", "lora_init")
 
     def set_threads(self, n: int) -> None:
@@ -91,7 +93,7 @@ class Backend:
             rt._unsafe_reset_threadpool(n)
 
     def load(self, export_dir: Path, chunk: dict, in_place: bool = False):
-        """The chunk's program (ZeroLock entry, or BP entry {**chunk, **chunk["bp"]});
+        """The chunk's program from its entry as ChunkEntry.for_mode gives it (`.json`);
         `in_place`: see ChunkProgram (the eager backend has no arena to keep outputs in)."""
         if self.name == "executorch":
             from zl_common.program import ChunkProgram

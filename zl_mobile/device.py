@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from zl_common.manifest import Manifest, ManifestError
 from zl_common.program import ProgramError
 
 from . import __version__
@@ -251,38 +252,40 @@ class Device:
         manifest_path = self.files / "manifest.json"
         if not manifest_path.exists():
             raise self._reject(msg, "no manifest.json on this device: push the export's manifest before STAGE_ASSIGN")
-        manifest = json.loads(manifest_path.read_text())
-        chunks = manifest["chunks"]
+        try:  # text that is not JSON stays a failure on this side (INTERNAL); records of the wrong shape are refused
+            manifest = Manifest.from_json(json.loads(manifest_path.read_text()))
+        except ManifestError as e:
+            raise self._reject(msg, f"{e}; push the export's own manifest.json") from None
+        chunks = manifest.chunks
         k = meta["stage"]
         if meta["num_stages"] != len(chunks) or k >= len(chunks):
             raise self._reject(msg, f"stage {k} of {meta['num_stages']} does not fit the program: the export has "
                                     f"{len(chunks)} chunks; assign one stage per chunk")
-        chunk = chunks[k]
-        if meta.get("schedule", "zerolock") != "zerolock":  # BP baselines run the chunk's BP program
-            if "bp" not in chunk:
-                raise self._reject(msg, f"schedule {meta['schedule']} needs the chunk's BP program: export with --mode both")
-            chunk = {**chunk, **chunk["bp"]}
-        sizes = {f["path"]: f for f in manifest["files"]}
+        schedule = meta.get("schedule", "zerolock")
         try:
+            chunk = chunks[k].for_schedule(schedule)  # BP baselines run the chunk's BP program
             needed = self.backend.chunk_files(chunk)
+        except ManifestError as e:
+            raise self._reject(msg, f"schedule {schedule}: {e}") from None
         except ProgramError as e:
             raise self._reject(msg, str(e)) from None
+        sizes = manifest.files
         for key in needed:  # names first: nothing outside the phone's storage is looked at, even to say so
-            name = chunk.get(key)
+            name = getattr(chunk, key)
             if not plain_file_name(name) or name not in sizes:
                 raise self._reject(msg, f"manifest.json names {quote_any(name)} as chunk {k}'s {key}, which is not a "
                                         "plain file name listed in its files (no '/', '\\', '..'; files live in the "
                                         "phone's storage): push the export's own manifest.json")
         for key in needed:
-            entry = sizes[chunk[key]]
-            p = self.files / chunk[key]
+            name = getattr(chunk, key)
+            p = self.files / name
             if not p.exists():
-                raise self._reject(msg, f"{quote(chunk[key])} is not on this device: push it before assigning stage {k}")
-            if self._cached_sha(p) != entry["sha256"]:
-                raise self._reject(msg, f"{quote(chunk[key])} on this device does not match the manifest's sha256: push it again")
-        if sizes[chunk["program"]]["sha256"] != meta["program_sha256"]:
+                raise self._reject(msg, f"{quote(name)} is not on this device: push it before assigning stage {k}")
+            if self._cached_sha(p) != sizes[name].sha256:
+                raise self._reject(msg, f"{quote(name)} on this device does not match the manifest's sha256: push it again")
+        if chunk.program not in sizes or sizes[chunk.program].sha256 != meta["program_sha256"]:
             raise self._reject(msg, f"program_sha256 in STAGE_ASSIGN is not chunk {k}'s program "
-                                    f"({quote(chunk['program'])}): assign the stage that matches the program")
+                                    f"({quote_any(chunk.program)}): assign the stage that matches the program")
         if "upstream_token" not in meta:
             raise self._reject(msg, f"STAGE_ASSIGN for stage {k} lacks upstream_token: the stage needs the pairing "
                                     "token of its upstream link (section 6) to accept it")
@@ -295,7 +298,7 @@ class Device:
             listener = self._listener(msg, cfg.listen_port)  # before anything is stopped or created
             self.stop_stage()
             try:
-                self.stage = Stage(self.files, chunk, manifest["export"], cfg, self.workdir,
+                self.stage = Stage(self.files, chunks[k], manifest.export, cfg, self.workdir,
                                    to_host=self.send_to_host, limiter=self.limiter,
                                    data_port=cfg.listen_port, bind=self.bind,
                                    load_program=self.backend.load, link_delay=self.link_delay,

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from zl_common.manifest import MANIFEST, Manifest, ManifestError
 from zl_common.program import NamedMethods, ProgramError
 
 GRAPH = "_autograd"  # key of phase 1's autograd state in the `saved` dict
@@ -134,7 +135,7 @@ class EagerChunkProgram(NamedMethods):
         super().__init__(chunk)
         export_dir = Path(export_dir)
         self.device = torch.device(device)
-        self.bp = "last" in chunk  # a BP stage's entry ({**chunk, **chunk["bp"]}) carries "last"
+        self.bp = "last" in chunk  # a BP stage's entry (ChunkEntry.for_mode("bp")) carries "last"
         if "eager_weights" not in chunk:
             raise ProgramError(f"the export has no eager-backend weights for chunk {self.index}: {EAGER_FIX}")
         weights = export_dir / chunk["eager_weights"]
@@ -142,10 +143,10 @@ class EagerChunkProgram(NamedMethods):
             raise ProgramError(f"{weights.name} is not on this device: push it (the host sends it to eager-backend "
                                f"phones), or {EAGER_FIX}")
         try:
-            manifest = json.loads((export_dir / "manifest.json").read_text())
-            hf_config = manifest["model"]["hf_config"]
-            cfg = _export_config(manifest["export"])
-        except (OSError, ValueError, KeyError) as e:
+            manifest = Manifest.from_json(json.loads((export_dir / MANIFEST).read_text()))
+            hf_config = manifest.model["hf_config"]
+            cfg = _export_config(manifest.export)
+        except (OSError, ValueError, KeyError, ManifestError) as e:
             raise ProgramError(f"cannot read the model config from {export_dir / 'manifest.json'} "
                                f"({type(e).__name__}: {e}): {EAGER_FIX}") from None
         first, last = chunk["layers"]

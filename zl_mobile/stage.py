@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zl_common.manifest import ChunkEntry
 from zl_common.program import ChunkProgram
 
 from .checkpoint import CheckpointStore
@@ -80,7 +81,7 @@ class StageConfig:
 
 
 class Stage:
-    def __init__(self, export_dir: Path, chunk: dict, export: dict, cfg: StageConfig, workdir: Path,
+    def __init__(self, export_dir: Path, chunk: ChunkEntry, export: dict, cfg: StageConfig, workdir: Path,
                  to_host, limiter=None, data_port: int = 0, bind: str = "0.0.0.0", load_program=ChunkProgram,
                  link_delay=None, on_failure=None, listener=None, io_s: float = STALL_S):
         self.cfg = cfg
@@ -89,15 +90,15 @@ class Stage:
         readout_rows = export["readout_rows"]
         self.k = cfg.stage
         self.bp = cfg.schedule != "zerolock"  # BP baselines run the chunk's BP program
-        entry = {**chunk, **chunk["bp"]} if self.bp else chunk
+        entry = chunk.for_schedule(cfg.schedule)
         # zl_mobile.backends.Backend.load picks the runtime; a schedule that runs each phase 2
         # before the next phase 1 lets phase 1's saved activations stay in its arena (ChunkProgram)
         in_place = forwards_held(cfg.schedule, cfg.stage, cfg.num_stages, cfg.window_size) == 1
         self.runtime_pss = runtime_pss_bytes()  # before the first load: the memory breakdown's "runtime"
         self._weights_pss = None
         self._pss = PssSampler()
-        self.program = load_program(export_dir, entry, in_place=in_place)
-        self.first_input = chunk["first_input"]
+        self.program = load_program(export_dir, entry.json, in_place=in_place)
+        self.first_input = entry.first_input
         self.is_last = cfg.stage == cfg.num_stages - 1
         probe = next((t for t in self.program.input_spec("phase1") if t["name"] == "grad_probe"), None)
         self._probe = {"grad_probe": torch.zeros(probe["shape"])} if probe else {}
@@ -109,7 +110,7 @@ class Stage:
             self.store.rollback(cfg.rollback_to_window)
         faults = Faults(cfg.inject_failure, store=self.store, stage=self.k,
                         marker=lambda point, w: self.workdir / f"failure-injected-{cfg.run_id}-{self.k}-{w}-{point}")
-        self.core = StageCore(self.program, Path(export_dir) / chunk["lora_init"], self.store, stage=self.k,
+        self.core = StageCore(self.program, Path(export_dir) / entry.lora_init, self.store, stage=self.k,
                               window_size=cfg.window_size, lr=cfg.lr, weight_decay=cfg.weight_decay,
                               schedule=cfg.schedule, faults=faults, busy=self._busy)
         self.clock = self.core.clock
