@@ -125,16 +125,19 @@ def _fix_crcs(frame: bytearray) -> bytes:
 class OnPathProxy:
     """Relays frames between a host (or an upstream stage) and a phone; in the host->phone direction
     of the first connection it applies `action` to frame number `at` (0 and 1 are AUTH_REQUEST and
-    AUTH_RESPONSE: `at` >= 2 is sealed); later connections (a link reconnecting) pass untouched.
+    AUTH_RESPONSE: `at` >= 2 is sealed); later connections (a link reconnecting) pass untouched, or,
+    with a list of actions, connection i gets the i-th and those after the list pass untouched.
     flip: one body byte flipped and both CRCs recomputed (what an attacker does); drop; replay
-    (sent twice); reorder (frames at and at+1 swapped). It records what the phone sends back on the
-    first connection, and counts the connections."""
+    (sent twice); reorder (frames at and at+1 swapped). It records what the phone sends back on each
+    attacked connection (`from_phone`: the first's), and counts the connections."""
 
-    def __init__(self, target: tuple[str, int], action: str | None, at: int = 2):
-        self.target, self.action, self.at = target, action, at
+    def __init__(self, target: tuple[str, int], action: str | list[str] | None, at: int = 2):
+        self.actions = action if isinstance(action, list) else [action]
+        self.target, self.at = target, at
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
-        self.from_phone: list[bytes] = []
+        self.from_phone_by_connection: list[list[bytes]] = [[] for _ in self.actions]
+        self.from_phone = self.from_phone_by_connection[0]
         self.connections = 0
         self.threads: list[threading.Thread] = []
         threading.Thread(target=self._accept, daemon=True).start()
@@ -146,29 +149,30 @@ class OnPathProxy:
                 phone = socket.create_connection(self.target)
             except OSError:
                 return
-            first = self.connections == 0
+            i = self.connections
             self.connections += 1
+            action = self.actions[i] if i < len(self.actions) else None
             for fn in (self._up, self._down):
-                t = threading.Thread(target=fn, args=(host, phone, first), daemon=True)
+                t = threading.Thread(target=fn, args=(host, phone, i, action), daemon=True)
                 t.start()
                 self.threads.append(t)
 
-    def _up(self, host, phone, first=True):
-        n, held = (0 if first else -1), None  # -1: nothing to do on a later connection
+    def _up(self, host, phone, i, action):
+        n, held = (0 if action else -1), None  # -1: nothing to do on this connection
         try:
             while (f := _read_frame(host)) is not None:
                 out = [f]
                 if n < 0:
                     pass
-                elif n == self.at and self.action == "flip":
+                elif n == self.at and action == "flip":
                     b = bytearray(f)
                     b[16 + 8] ^= 0x01
                     out = [_fix_crcs(b)]
-                elif n == self.at and self.action == "drop":
+                elif n == self.at and action == "drop":
                     out = []
-                elif n == self.at and self.action == "replay":
+                elif n == self.at and action == "replay":
                     out = [f, f]
-                elif n == self.at and self.action == "reorder":
+                elif n == self.at and action == "reorder":
                     held, out = f, []
                 elif n == self.at + 1 and held is not None:
                     out = [f, held]
@@ -183,11 +187,11 @@ class OnPathProxy:
             except OSError:
                 pass
 
-    def _down(self, host, phone, first=True):
+    def _down(self, host, phone, i, action):
         try:
             while (f := _read_frame(phone)) is not None:
-                if first:
-                    self.from_phone.append(f)
+                if action:
+                    self.from_phone_by_connection[i].append(f)
                 host.sendall(f)
         except OSError:
             pass
@@ -354,11 +358,15 @@ def test_a_version_1_device_is_refused_by_the_host():
 
 # ---- on the path between two stages ---------------------------------------------------------
 
-def test_a_frame_forged_between_two_stages_is_refused_and_the_run_ends_as_untouched(small_export, tmp_path, monkeypatch):
+ATTACKS = ["flip", "drop", "replay", "reorder"]
+
+
+def test_frames_forged_between_two_stages_are_refused_and_the_run_ends_as_untouched(small_export, tmp_path, monkeypatch):
     """The attacker sits on the stage 0 -> stage 1 link (PROTOCOL.md 6.1: a stage link is sealed as
-    a host session is, the upstream as host) and flips a byte of the second HIDDEN_STATE: stage 1
-    answers with one ERROR and closes, acting on nothing in it; stage 0 reconnects (5.4.1) and
-    replays from where stage 1 stands, so the run ends with the untouched run's LoRA, bit for bit."""
+    a host session is, the upstream as host) and on each connection in turn flips a byte of, drops,
+    replays, then reorders its second sealed frame: each time stage 1 answers with one ERROR and
+    closes, acting on nothing in it; stage 0 reconnects (5.4.1) and replays from where stage 1 stands,
+    so the run ends with the untouched run's LoRA, bit for bit."""
     import numpy as np
 
     from host.coordinator import Coordinator
@@ -369,7 +377,7 @@ def test_a_frame_forged_between_two_stages_is_refused_and_the_run_ends_as_untouc
     mbs = small_micro_batches(out, n_examples=4)
 
     def settings():
-        return RunSettings(windows=2, window_size=2, lr=2e-2, inflight_depth=2)
+        return RunSettings(windows=4, window_size=2, lr=2e-2, inflight_depth=2)
 
     base, base_records = run_pipeline(out, tmp_path / "untouched", settings(), mbs)
     proxies: list[OnPathProxy] = []
@@ -380,16 +388,17 @@ def test_a_frame_forged_between_two_stages_is_refused_and_the_run_ends_as_untouc
         if up is None or up.k != 0:
             return real
         host, port = real.rsplit(":", 1)
-        proxies.append(OnPathProxy((host, int(port)), "flip", at=3))  # 2: the first HIDDEN_STATE
+        proxies.append(OnPathProxy((host, int(port)), ATTACKS, at=3))  # 2: the first sealed frame
         return f"127.0.0.1:{proxies[-1].port}"
 
     monkeypatch.setattr(Coordinator, "_address", through_the_attacker)
     result, records = run_pipeline(out, tmp_path / "attacked", settings(), mbs)
     [proxy] = proxies
-    assert proxy.connections >= 2  # stage 0 came back after the forged frame ended the first link
-    sent = proxy.from_phone  # what stage 1 sent on the attacked connection: its last frame the ERROR
-    assert sent[-1][5] == MsgType.ERROR and sent[-1][6] == 0x01  # sealed, in its own direction
-    assert [f[5] for f in sent].count(MsgType.ERROR) == 1
+    assert proxy.connections > len(ATTACKS)  # stage 0 came back after each attack ended a link
+    for action, sent in zip(ATTACKS, proxy.from_phone_by_connection):
+        # what stage 1 sent on the attacked connection: one ERROR, its last frame, sealed in its own direction
+        assert sent[-1][5] == MsgType.ERROR and sent[-1][6] == 0x01, action
+        assert [f[5] for f in sent].count(MsgType.ERROR) == 1, action
     assert all(np.array_equal(result["lora"][n], base["lora"][n]) for n in base["lora"])
 
     def commits(rs):
@@ -488,6 +497,15 @@ def _captured_run(small_export, root: Path, unsealed: bool, monkeypatch):
     return mbs, stream, ports
 
 
+def _program_needles(export_dir: Path) -> list[bytes]:
+    """64 bytes from the middle of each chunk's program (.pte) and weights (.ptd)."""
+    needles = []
+    for f in sorted(export_dir.glob("chunk_[0-9].pt[ed]")):  # the ZeroLock programs this run pushes
+        data = f.read_bytes()
+        needles.append(data[len(data) // 2:len(data) // 2 + 64])
+    return needles
+
+
 def _token_needles(mbs) -> list[bytes]:
     """The first 8 token ids of every micro-batch's rows, as int64 and as int32."""
     needles = []
@@ -503,7 +521,10 @@ def test_passive_capture_of_a_run_shows_no_tokens_and_no_hidden_states(small_exp
     assert len(ports) == 6 and len(sealed) > 100_000  # 3 host ports and 3 stage data ports
     assert not any(n in sealed for n in _token_needles(mbs))
     assert not _float_run(sealed)
+    programs = _program_needles(small_export[0])  # the host pushes every chunk's program and weights
+    assert not any(n in sealed for n in programs)
     # the control, with the benchmark switch: the same capture does show them, so the test can see
     mbs, plain, _ = _captured_run(small_export, tmp_path / "plain", unsealed=True, monkeypatch=monkeypatch)
     assert any(n in plain for n in _token_needles(mbs))
+    assert all(n in plain for n in programs)
     assert _float_run(plain)
