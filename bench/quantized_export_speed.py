@@ -1,0 +1,80 @@
+"""zl-export with a quantized base against the same export in fp32, side by side in one run (issue 53:
+an int4 export within 1.5x of the fp32 one).
+
+Each export runs zl-export as shipped, in a fresh process, alternating (ABBA over --reps) so both see
+the same machine; reported per base: the command's wall and CPU seconds (its children's, so other
+jobs on a shared machine count less), each chunk's export_seconds, the programs' sizes, and the
+ratios to fp32.
+
+  python bench/quantized_export_speed.py --model smollm2 --chunks 0-9,10-19,20-29 --seq-len 64 --loss-positions 8
+Results: bench/results/quantized_export_speed.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import REPO, machine, median, now_iso  # noqa: E402
+from export_speed import _children_cpu_s  # noqa: E402
+
+
+def export(base: str, a, out: Path) -> dict:
+    cmd = [sys.executable, "-m", "exporter.cli", "--model", a.model, "--chunks", a.chunks, "--out", str(out),
+           "--backend", "xnnpack", "--seq-len", str(a.seq_len), "--base-weights", base]
+    if a.loss_positions:
+        cmd += ["--loss-positions", str(a.loss_positions)]
+    shutil.rmtree(out, ignore_errors=True)
+    t0, c0 = time.perf_counter(), _children_cpu_s()
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
+    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - c0
+    if r.returncode != 0:
+        raise SystemExit(f"export ({base}) failed:\n{r.stderr[-3000:]}")
+    m = json.loads((out / "manifest.json").read_text())
+    return {"wall_s": wall, "cpu_s": cpu, "chunk_s": [c["export_seconds"] for c in m["chunks"]],
+            "pte_bytes": [(out / c["program"]).stat().st_size for c in m["chunks"]]}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="tiny")
+    p.add_argument("--chunks", default="0-6,7-13,14-21")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--loss-positions", type=int, default=None)
+    p.add_argument("--bases", default="fp32,int4", help="the first is the reference")
+    p.add_argument("--reps", type=int, default=1, help="export rounds (ABBA order)")
+    p.add_argument("--work", type=Path, default=Path("/tmp/zl_bench_quantized_export"))
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quantized_export_speed.json")
+    a = p.parse_args(argv)
+    bases = a.bases.split(",")
+    runs: dict[str, list] = {b: [] for b in bases}
+    for r in range(a.reps):
+        for b in (bases if r % 2 == 0 else bases[::-1]):
+            res = export(b, a, a.work / b)
+            runs[b].append(res)
+            print(f"round {r} {b}: {res['wall_s']:.0f} s wall, {res['cpu_s']:.0f} s CPU, chunks "
+                  + ", ".join(f"{s:.0f}" for s in res["chunk_s"]) + " s", flush=True)
+    ref = bases[0]
+    summary = {"date": now_iso(), "machine": machine(), "model": a.model, "chunks": a.chunks, "seq_len": a.seq_len,
+               "loss_positions": a.loss_positions, "runs": runs,
+               "median_wall_s": {b: median([x["wall_s"] for x in runs[b]]) for b in bases},
+               "median_cpu_s": {b: median([x["cpu_s"] for x in runs[b]]) for b in bases}}
+    summary["wall_ratio"] = {b: summary["median_wall_s"][b] / summary["median_wall_s"][ref] for b in bases}
+    summary["cpu_ratio"] = {b: summary["median_cpu_s"][b] / summary["median_cpu_s"][ref] for b in bases}
+    for b in bases:
+        print(f"{b}: {summary['median_wall_s'][b]:.0f} s wall ({summary['wall_ratio'][b]:.2f}x {ref}), "
+              f"{summary['median_cpu_s'][b]:.0f} s CPU ({summary['cpu_ratio'][b]:.2f}x)")
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"written {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
