@@ -35,7 +35,7 @@ def add_parser(sub, add_generation_args) -> None:
                        description=__doc__.split("\n", 1)[1])
     f.add_argument("--model", required=True, help="as zl-export --model: a HF Llama dir, FILE.gguf, smollm2 or tiny")
     f.add_argument("--data", required=True, help="chat JSONL ({\"messages\": [...]}), prompt/completion or text JSONL, "
-                                                 "AG News CSV, or wordnet[-reverse][:split]")
+                                                 "AG News CSV, Parquet (the same columns), or wordnet[-reverse][:split]")
     add_run_options(f, ["devices"])
     f.add_argument("--chunks", default=None, help="layer ranges, one per phone (default: the layers split evenly over "
                                                   "N phones for emulated:N or a name list, else over 3)")

@@ -33,8 +33,8 @@ _EMULATED = "with --devices emulated:N: "
 @dataclass
 class RunConfig:
     program: str | None = option(None, "zl-export output dir")  # None only with resume
-    data: str | None = option(None, "AG News CSV, JSONL, or wordnet[:validation|test] (WordNet noun glosses by category); "
-                                    "omit for the tiny model's synthetic set")
+    data: str | None = option(None, "AG News CSV, JSONL, Parquet, or wordnet[:validation|test] "
+                                    "(WordNet noun glosses by category); omit for the tiny model's synthetic set")
     devices: str = option("auto", "auto | emulated:N | NAME,NAME,...")  # or SERIAL,...
     steps: int = option(RunSettings.windows, "optimizer steps (update windows)", type=int)
     epochs: float | None = option(None, "instead of --steps: passes over the training data", type=float)

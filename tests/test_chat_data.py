@@ -93,6 +93,22 @@ def test_a_malformed_chat_row_is_one_line_naming_file_and_row(tmp_path, row, pro
     assert msg.startswith(f"{path}: {problem}") and "\n" not in msg
 
 
+def test_chat_rows_from_parquet_are_the_jsonl_rows(tmp_path):
+    """A "messages" column of role/content structs (pyarrow) reads as the JSONL chat file does; a bad
+    row is named by its number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.Table.from_pylist([{"messages": CONVERSATION}] * 2), tmp_path / "chat.parquet")
+    jsonl = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CONVERSATION}] * 2)
+    assert list(load_examples(str(tmp_path / "chat.parquet"))) == list(load_examples(jsonl))
+    no_answer = [{"role": "system", "content": "s"}, {"role": "user", "content": "hi"}]
+    pq.write_table(pa.Table.from_pylist([{"messages": CONVERSATION}, {"messages": no_answer}]), tmp_path / "bad.parquet")
+    with pytest.raises(DataError) as e:
+        load_examples(str(tmp_path / "bad.parquet"))
+    assert str(e.value).startswith(f"{tmp_path / 'bad.parquet'}: row 2: no assistant turn")
+
+
 def test_wordnet_chat_conversations_train_on_the_word_only():
     """The README's chat file: system, "What is the word for <gloss>?", the word; the loss sees the word."""
     from zl_common.data.wordnet_chat import SYSTEM, wordnet_chat

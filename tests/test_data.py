@@ -188,7 +188,9 @@ def test_error_messages(tmp_path):
     m = err(str(tmp_path))
     assert "directory" in m
     m = err(write(tmp_path, "data.parquet", "x"))
-    assert "unknown data format '.parquet'" in m and ".csv" in m and ".jsonl" in m
+    assert m.startswith(f"{tmp_path / 'data.parquet'}: not a readable Parquet file") and "to_parquet" in m
+    m = err(write(tmp_path, "data.xlsx", "x"))
+    assert "unknown data format '.xlsx'" in m and ".csv" in m and ".jsonl" in m and ".parquet" in m
     m = err(write(tmp_path, "README", "x"))
     assert "(no extension)" in m
     m = err(write(tmp_path, "bad.csv", "9,a,b\n0,c,d\n1,only two\n"))
@@ -377,3 +379,24 @@ def test_pipeline_readout_matches_microbatch(tok):
     flat_inputs = b["input_ids"].reshape(-1)
     assert (flat_inputs[index[:8] + 1] == target[:8]).all()   # next token, same row
 
+
+
+def test_a_parquet_table_loads_as_its_jsonl_twin(tmp_path):
+    """Prompt/completion and text columns read from Parquet (pyarrow) give the rows the same records in
+    JSONL give, with the same rejections counted."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    records = [{"prompt": "Q: 2+2?", "completion": " 4"}, {"prompt": "Q: red?", "completion": " colour"},
+               {"prompt": "Q: empty?", "completion": " "}]
+    pq.write_table(pa.Table.from_pylist(records), tmp_path / "qa.parquet")
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    from_parquet, from_jsonl = load_examples(str(tmp_path / "qa.parquet")), load_examples(str(tmp_path / "qa.jsonl"))
+    assert list(from_parquet) == list(from_jsonl) and len(from_parquet) == 2
+    assert from_parquet.rejected == from_jsonl.rejected and from_parquet.n_read == 3
+    pq.write_table(pa.Table.from_pylist([{"text": "one line"}, {"text": "two"}]), tmp_path / "t.parquet")
+    assert list(load_examples(str(tmp_path / "t.parquet"))) == [{"text": "one line"}, {"text": "two"}]
+    pq.write_table(pa.Table.from_pylist([{"question": "a", "answer": "b"}]), tmp_path / "other.parquet")
+    with pytest.raises(DataError) as e:
+        load_examples(str(tmp_path / "other.parquet"))
+    assert "no usable rows" in str(e.value) and '"messages" column' in str(e.value)

@@ -160,7 +160,6 @@ def load_jsonl(path: str) -> LoadedExamples:
     with open(path, encoding="utf-8-sig") as f:
         content = f.read()
     records: list = []
-    rejected: Counter = Counter()
     stripped = content.lstrip()
     parsed_whole = False
     if stripped.startswith("["):
@@ -183,6 +182,30 @@ def load_jsonl(path: str) -> LoadedExamples:
                 records.append(_BAD_JSON)
     if any(isinstance(o, dict) and "messages" in o for o in records):
         return _load_chat(path, content, records if parsed_whole else None)
+    return _from_records(path, records, line_of, _JSONL_FIX)
+
+
+def load_parquet(path: str) -> LoadedExamples:
+    """A Parquet table (pyarrow): one row per record, columns as JSONL's keys: "messages" (a list of
+    role/content structs), "prompt"/"completion" or "text"."""
+    import pyarrow.parquet as pq
+
+    try:
+        records = pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors name the problem (not Parquet, truncated, ...)
+        raise DataError(f"{path}: not a readable Parquet file ({str(e).splitlines()[0]}); "
+                        f"write it with pandas.DataFrame.to_parquet or pyarrow.parquet.write_table") from None
+    if any("messages" in o for o in records):
+        return _load_chat(path, "", records)
+    return _from_records(path, records, [None] * len(records), _PARQUET_FIX)
+
+
+_PARQUET_FIX = 'expected a "messages" column, "prompt" and "completion" columns, or a "text" column'
+
+
+def _from_records(path: str, records: list, line_of: list, fix: str) -> LoadedExamples:
+    """Prompt/completion or text rows from parsed records; the rejected ones counted by reason."""
+    rejected: Counter = Counter()
     rows: list[dict] = []
     bad_lines: list[int] = []
     for obj, number in zip(records, line_of):
@@ -197,7 +220,7 @@ def load_jsonl(path: str) -> LoadedExamples:
         else:
             rows.append(row)
     if not rows:
-        raise _no_usable_rows(path, len(records), rejected, _JSONL_FIX)
+        raise _no_usable_rows(path, len(records), rejected, fix)
     return LoadedExamples(rows, source=path, n_read=len(records), rejected=rejected, bad_lines=bad_lines)
 
 
@@ -209,8 +232,9 @@ def _load_chat(path: str, content: str, array: list | None) -> LoadedExamples:
     that is not stops the load with one line naming the file, the row and the problem."""
     from .chat import read_messages_row
 
-    if array is not None:  # a JSON array: rows are its elements, counted from 1
-        numbered = [(k, _chat_element(o), "element") for k, o in enumerate(array, 1)]
+    if array is not None:  # a JSON array's elements or a Parquet table's rows, counted from 1
+        what = "row" if path.lower().endswith(".parquet") else "element"
+        numbered = [(k, _chat_element(o), what) for k, o in enumerate(array, 1)]
     else:
         numbered = [(n, read_messages_row(line), "line") for n, line in enumerate(content.splitlines(), 1)
                     if line.strip()]
@@ -237,7 +261,7 @@ _CHAT_FIX = ('expected one {"messages": [{"role": "system"|"user"|"assistant", "
 # ---------------------------------------------------------------- dispatch
 
 def load_examples(path: str | None) -> LoadedExamples:
-    """Load a dataset by extension: ``.csv`` (AG News) or ``.jsonl``/``.json``.
+    """Load a dataset by extension: ``.csv`` (AG News), ``.jsonl``/``.json`` or ``.parquet``.
 
     ``None`` gives the built-in synthetic set (``DEFAULT_SYNTHETIC_N`` examples, seed 0);
     ``"wordnet"`` / ``"wordnet:validation"`` / ``"wordnet:test"`` a split of WordNet's noun
@@ -252,14 +276,14 @@ def load_examples(path: str | None) -> LoadedExamples:
     if not os.path.exists(path) and (path == "wordnet-reverse" or path.startswith("wordnet-reverse:")):
         return load_wordnet_reverse(path)  # gloss -> word, a generative task (zl_common/data/wordnet_reverse.py)
     if not os.path.exists(path):
-        raise DataError(f"data file not found: {path}; pass an existing .csv (AG News) or "
-                        f".jsonl/.json file, wordnet[:validation|test], wordnet-reverse[:validation|test], "
+        raise DataError(f"data file not found: {path}; pass an existing .csv (AG News), "
+                        f".jsonl/.json or .parquet file, wordnet[:validation|test], wordnet-reverse[:validation|test], "
                         f"or no data file for the built-in synthetic set")
     if os.path.isdir(path):
         raise DataError(f"data path is a directory, not a file: {path}; pass the .csv or "
                         f".jsonl file inside it")
     ext = os.path.splitext(path)[1].lower()
-    loader = {".csv": load_ag_news_csv, ".jsonl": load_jsonl, ".json": load_jsonl}.get(ext)
+    loader = {".csv": load_ag_news_csv, ".jsonl": load_jsonl, ".json": load_jsonl, ".parquet": load_parquet}.get(ext)
     if loader is not None:
         try:
             return loader(path)
@@ -269,5 +293,5 @@ def load_examples(path: str | None) -> LoadedExamples:
         except csv.Error as e:
             raise DataError(f"{path}: malformed CSV ({e}); {_CSV_FIX}") from None
     raise DataError(f"unknown data format {ext or '(no extension)'!r} for {path}; use .csv "
-                    f"(AG News: class index, title, description) or .jsonl/.json "
-                    f'({{"prompt","completion"}} or {{"text"}} rows)')
+                    f"(AG News: class index, title, description), .jsonl/.json or .parquet "
+                    f'({{"messages"}}, {{"prompt","completion"}} or {{"text"}} rows)')
