@@ -7,6 +7,7 @@ jobs on a shared machine count less), each chunk's export_seconds, the programs'
 ratios to fp32.
 
   python bench/quantized_export_speed.py --model smollm2 --chunks 0-9,10-19,20-29 --seq-len 64 --loss-positions 8
+  python bench/quantized_export_speed.py --model tiny --bases int4:torch-sort,int4 --out bench/results/int4_sort.json
 Results: bench/results/quantized_export_speed.json.
 """
 from __future__ import annotations
@@ -24,9 +25,46 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, machine, median, now_iso  # noqa: E402
 from export_speed import _children_cpu_s  # noqa: E402
 
+# "BASE:torch-sort": the export as it was before exporter/partition_sort.py sorted in place: torch's
+# legalize_graph, a copy of every node after each partition (the code still regenerated once per pass)
+TORCH_SORT = """
+import contextlib, sys
+from exporter import lower
+from executorch.exir import lowered_backend_module as lbm
 
-def export(base: str, a, out: Path) -> dict:
-    cmd = [sys.executable, "-m", "exporter.cli", "--model", a.model, "--chunks", a.chunks, "--out", str(out),
+@contextlib.contextmanager
+def copying_sort():
+    original, stale = lbm.legalize_graph, {}
+
+    class CodeFree:
+        def __init__(self, gm):
+            self.graph = gm.graph
+
+    def legalize_graph(gm):
+        g = original(CodeFree(gm)).graph
+        gm._graph, g.owning_module = g, gm
+        stale[id(gm)] = gm
+        return gm
+
+    lbm.legalize_graph = legalize_graph
+    try:
+        yield
+    finally:
+        lbm.legalize_graph = original
+        for gm in stale.values():
+            gm.recompile()
+
+lower.sort_partitions_once = copying_sort
+from exporter.cli import main
+sys.argv[0] = "zl-export"
+sys.exit(main())
+"""
+
+
+def export(variant: str, a, out: Path) -> dict:
+    base, _, how = variant.partition(":")
+    entry = ["-c", TORCH_SORT] if how == "torch-sort" else ["-m", "exporter.cli"]
+    cmd = [sys.executable, *entry, "--model", a.model, "--chunks", a.chunks, "--out", str(out),
            "--backend", "xnnpack", "--seq-len", str(a.seq_len), "--base-weights", base]
     if a.loss_positions:
         cmd += ["--loss-positions", str(a.loss_positions)]
@@ -35,7 +73,7 @@ def export(base: str, a, out: Path) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - c0
     if r.returncode != 0:
-        raise SystemExit(f"export ({base}) failed:\n{r.stderr[-3000:]}")
+        raise SystemExit(f"export ({variant}) failed:\n{r.stderr[-3000:]}")
     m = json.loads((out / "manifest.json").read_text())
     return {"wall_s": wall, "cpu_s": cpu, "chunk_s": [c["export_seconds"] for c in m["chunks"]],
             "pte_bytes": [(out / c["program"]).stat().st_size for c in m["chunks"]]}
@@ -47,7 +85,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunks", default="0-6,7-13,14-21")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--loss-positions", type=int, default=None)
-    p.add_argument("--bases", default="fp32,int4", help="the first is the reference")
+    p.add_argument("--bases", default="fp32,int4", help="the first is the reference; BASE:torch-sort exports "
+                   "BASE with torch's copying sort after each partition (before exporter/partition_sort.py)")
     p.add_argument("--reps", type=int, default=1, help="export rounds (ABBA order)")
     p.add_argument("--work", type=Path, default=Path("/tmp/zl_bench_quantized_export"))
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quantized_export_speed.json")
@@ -56,7 +95,7 @@ def main(argv=None) -> int:
     runs: dict[str, list] = {b: [] for b in bases}
     for r in range(a.reps):
         for b in (bases if r % 2 == 0 else bases[::-1]):
-            res = export(b, a, a.work / b)
+            res = export(b, a, a.work / b.replace(":", "-"))
             runs[b].append(res)
             print(f"round {r} {b}: {res['wall_s']:.0f} s wall, {res['cpu_s']:.0f} s CPU, chunks "
                   + ", ".join(f"{s:.0f}" for s in res["chunk_s"]) + " s", flush=True)
