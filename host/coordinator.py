@@ -191,6 +191,22 @@ class Coordinator:
                            "STAGE_ASSIGN ACK): update the app on the phone")
         st.committed = ack.get("committed_window", -1)
 
+    def _rejoining_once(self, st: StageState, step) -> None:
+        """`step(st)`; if the session is lost meanwhile (dropped, or ended by the device because a frame
+        did not open: PROTOCOL.md 6.1), the device is rejoined as after a failure and the step runs
+        again, once. A refusal (an ERROR with a code) is the device's answer, not retried."""
+        try:
+            step(st)
+        except (OSError, DeviceError) as e:
+            if isinstance(e, DeviceError) and e.code is not None:
+                raise
+            self.on_event("waiting", {"stage": st.k, "device": st.device.name, "error": str(e)})
+            st.client.close()
+            self._rejoin(st, str(e), time.time())
+            if step != self._push:
+                self._push(st)
+            step(st)
+
     def setup(self) -> None:
         for st in self.stages:
             try:
@@ -202,9 +218,9 @@ class Coordinator:
             self.metrics.write(json.dumps({"t": time.time(), "device": st.device.name, "stage": st.k, "type": "HELLO",
                                            **{k: v for k, v in st.client.hello.meta.items() if k != "files"}}) + "\n")
         for st in self.stages:
-            self._push(st)
+            self._rejoining_once(st, self._push)
         for st in reversed(self.stages):  # downstream first: each needs its neighbour's data port
-            self._assign(st)
+            self._rejoining_once(st, self._assign)
         # the feed builds each input when stage 0's credits let it go: it holds none, and it can
         # serve any replay (a restarted stage 0, a global rollback) from the data set
         self.feeder = OutboundLink("host-feed", self.link_tokens[0], window_size=self.settings.window_size,

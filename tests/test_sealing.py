@@ -131,7 +131,7 @@ class OnPathProxy:
     (sent twice); reorder (frames at and at+1 swapped). It records what the phone sends back on each
     attacked connection (`from_phone`: the first's), and counts the connections."""
 
-    def __init__(self, target: tuple[str, int], action: str | list[str] | None, at: int = 2):
+    def __init__(self, target: tuple[str, int], action: str | list[str] | None, at: "int | MsgType" = 2):
         self.actions = action if isinstance(action, list) else [action]
         self.target, self.at = target, at
         self.listener = socket.create_server(("127.0.0.1", 0))
@@ -162,6 +162,8 @@ class OnPathProxy:
         try:
             while (f := _read_frame(host)) is not None:
                 out = [f]
+                if isinstance(self.at, MsgType) and n >= 0 and f[5] == self.at:
+                    self.at = n  # a message type: the first frame of that type is the one
                 if n < 0:
                     pass
                 elif n == self.at and action == "flip":
@@ -405,6 +407,52 @@ def test_frames_forged_between_two_stages_are_refused_and_the_run_ends_as_untouc
         return sorted((r["stage"], r["window"]) for r in rs if r["type"] == "CHECKPOINT_COMMITTED")
 
     assert commits(records) == commits(base_records)  # each window once: nothing of the forged frame
+
+
+def test_a_stage_assign_forged_between_host_and_phone_is_refused_and_the_run_ends_as_untouched(
+        small_export, tmp_path, monkeypatch):
+    """The attacker sits on the host's session with stage 1 and flips a byte of its STAGE_ASSIGN (what
+    would steer the phone): the phone answers one sealed ERROR and closes, having applied nothing; the
+    host reconnects to the live phone as after a dropped session, assigns again, and the run ends with
+    the untouched run's LoRA bit for bit, each window committed once."""
+    import numpy as np
+
+    from host.emulated_phone import EmulatedPhone
+    from host.plan import RunSettings
+    from tests.conftest import run_pipeline, small_micro_batches
+
+    out = small_export[0]
+    mbs = small_micro_batches(out, n_examples=4)
+
+    def settings():
+        return RunSettings(windows=2, window_size=2, lr=2e-2, inflight_depth=2)
+
+    base, base_records = run_pipeline(out, tmp_path / "untouched", settings(), mbs)
+    proxies: list[OnPathProxy] = []
+    handle = EmulatedPhone.handle
+
+    def through_the_attacker(self):
+        h = handle(self)
+        if self.name.endswith("-1"):
+            host, port = h.endpoint.rsplit(":", 1)
+            proxies.append(OnPathProxy((host, int(port)), "flip", at=MsgType.STAGE_ASSIGN))
+            h.endpoint = f"127.0.0.1:{proxies[-1].port}"
+        return h
+
+    monkeypatch.setattr(EmulatedPhone, "handle", through_the_attacker)
+    result, records = run_pipeline(out, tmp_path / "attacked", settings(), mbs)
+    proxy = proxies[0]
+    assert proxy.connections >= 2  # the host came back after the forged STAGE_ASSIGN ended the session
+    sent = proxy.from_phone
+    assert sent[-1][5] == MsgType.ERROR and sent[-1][6] == 0x01
+    assert [f[5] for f in sent].count(MsgType.ERROR) == 1
+    assert MsgType.ACK not in [f[5] for f in sent[2:]]  # nothing of the forged assignment was taken
+    assert all(np.array_equal(result["lora"][n], base["lora"][n]) for n in base["lora"])
+
+    def commits(rs):
+        return sorted((r["stage"], r["window"]) for r in rs if r["type"] == "CHECKPOINT_COMMITTED")
+
+    assert commits(records) == commits(base_records)
 
 
 # ---- a passive capture of a short run ---------------------------------------------------------
