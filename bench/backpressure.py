@@ -72,7 +72,7 @@ def summarize(name: str, result: dict, records: list, wall_s: float, rows: int, 
 
 
 def main(argv=None) -> int:
-    from host.plan import RunSettings
+    from host.run.settings import RunSettings
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--work", default="/tmp/zl-bench-backpressure")

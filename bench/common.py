@@ -133,11 +133,11 @@ def bench_micro_batches(export_dir: Path, n: int, micro_batch: int, seq_len: int
 def run_on_phones(export_dir: Path, root: Path, settings, mbs, n_phones: int, *, prefix: str, extra_args=None,
                   per_phone_args=None, coordinator_cls=None, on_event=None, max_seconds: float = 240.0,
                   network=None, cpu_shares=None):
-    """host.emulate.run_on_emulated_phones with the benchmarks' defaults: run id "bench", a hung run
+    """host.phones.emulate.run_on_emulated_phones with the benchmarks' defaults: run id "bench", a hung run
     ended with RunError after `max_seconds`. Returns (result, metrics records)."""
     import dataclasses
 
-    from host.emulate import run_on_emulated_phones
+    from host.phones.emulate import run_on_emulated_phones
 
     return run_on_emulated_phones(export_dir, root, dataclasses.replace(settings, max_seconds=max_seconds), mbs,
                                   n_phones, prefix=f"{prefix}{os.getpid()}-", run_id="bench", extra_args=extra_args,

@@ -34,9 +34,9 @@ MiB = 1 << 20
 
 
 def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int, root: Path, shares) -> dict:
-    from host.coordinator import Coordinator
-    from host.emulate import start_phones
-    from host.plan import RunSettings
+    from host.phones.emulate import start_phones
+    from host.run.coordinator import Coordinator
+    from host.run.settings import RunSettings
     from zl_mobile.telemetry import read_pss_bytes
 
     phones = start_phones(n, root / "phones", prefix=f"{runtime[0]}", runtimes=[runtime] * n, cpu_shares=shares)
@@ -104,7 +104,7 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from host.kotlin_phone import classpath
+    from host.phones.kotlin_phone import classpath
     from zl_common.data import encode_examples, load_examples, make_microbatches
 
     classpath()

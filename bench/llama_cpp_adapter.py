@@ -137,7 +137,7 @@ def peft_side(base: str, adapter: Path, prompts, eos, n_new: int):
     from peft import PeftModel
 
     from exporter.model_source import load_base_model
-    from host.answers import _greedy
+    from host.evaluation.answers import _greedy
 
     model = PeftModel.from_pretrained(load_base_model(base), str(adapter)).eval()
     res = {"peft": ([], []), "peft_base": ([], [])}
@@ -190,10 +190,10 @@ def main(argv=None) -> int:
 
     from transformers import AutoTokenizer
 
-    from host.answers import prompts_and_answers
-    from host.export_run import resolve_run
-    from host.gguf_adapter import write_gguf_adapter
-    from host.run_data import prepare_data
+    from host.cli.export import resolve_run
+    from host.evaluation.answers import prompts_and_answers
+    from host.outputs.gguf_adapter import write_gguf_adapter
+    from host.run.data import prepare_data
 
     t0 = time.time()
     llama_cpp = ensure_llama_cpp()
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     sides = peft_side(str(base), adapter, prompts, eos, a.new_tokens)
     gguf_files = {"lcpp+A": (base, gguf_adapter), "lcpp": (base, None)}
     if not a.no_merged:
-        from host.merged_model import merged_model, write_merged_gguf
+        from host.outputs.merged_model import merged_model, write_merged_gguf
 
         merged = write_merged_gguf(merged_model(adapter, base, lora), base, program and program / "tokenizer",
                                    out_dir / "merged.gguf")

@@ -73,7 +73,7 @@ def training_rows(export: Path, manifest: dict, a, work: Path):
     from transformers import AutoTokenizer
 
     from bench.quality_tasks import load_task
-    from host.run_data import prepare_data
+    from host.run.data import prepare_data
 
     tok = AutoTokenizer.from_pretrained(export / "tokenizer")
     data, label_ids = load_task(a.task, tok, a.budget, 0, a.eval_rows, a.seq_len, a.data_seed)
@@ -84,7 +84,7 @@ def training_rows(export: Path, manifest: dict, a, work: Path):
 
 
 def stamped_coordinator():
-    from host.coordinator import Coordinator
+    from host.run.coordinator import Coordinator
 
     class Stamped(Coordinator):
         """Training time starts when every phone holds its program and its assignment."""
@@ -103,7 +103,7 @@ def train(export, mbs, method, rate, a, out: Path) -> dict:
     """One run on three budgeted phones; keeps every --snapshot-every'th window's adapter in `out`."""
     from safetensors.torch import save_file
 
-    from host.plan import RunSettings
+    from host.run.settings import RunSettings
     from zl_mobile.checkpoint import checkpoint_name, read_lora
 
     windows = len(mbs) // a.window
@@ -148,7 +148,7 @@ def evaluate_runs(runs, export, manifest, data, label_ids, tok, a, work: Path) -
     from safetensors.numpy import load_file
 
     from bench import quality as Q
-    from host.adapter import write_peft_adapter
+    from host.outputs.adapter import write_peft_adapter
 
     base, _ = Q.load_base(Path(a.cache))
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -309,7 +309,7 @@ def main(argv=None) -> int:
         return 0
 
     from bench.common import cpu_shares
-    from host import netns
+    from host.phones import netns
 
     export, work = Path(a.export), Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ Constrained 50 Mbit/s per phone and direction, with 0 / 2 / 20 / 50 ms of one-wa
 phone sees every frame arriving on its stage links (hidden states, gradients, credits) that much later, zl-phone
 --link-delay-ms, since not every kernel has netem to add it in the network). `--links netns` (the default where the machine
 allows it: root, iproute2, tbf) runs every phone in its own network namespace behind a veth pair on
-a bridge, both directions shaped by the kernel (host/netns.py); `--links limiter` shapes each
+a bridge, both directions shaped by the kernel (host/phones/netns.py); `--links limiter` shapes each
 phone's outgoing frames with the transport's token bucket (zl-phone --rate-mbit) on loopback.
 All methods run side by side per link setting, in one script run, and ratios ZeroLock / baseline
 are printed.
@@ -100,7 +100,7 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     inputs that the coordinator never feeds (it feeds windows x window_size) and the run hangs.
     For pipedream the host therefore feeds num_stages-1 extra micro-batches past the end; they are
     forwarded but never stepped, and are left out of every figure (window >= windows)."""
-    from host.coordinator import Coordinator
+    from host.run.coordinator import Coordinator
 
     class BenchCoordinator(coordinator_base or Coordinator):
         def setup(self):
@@ -113,8 +113,8 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     cores = sorted(os.sched_getaffinity(0))
 
     def args(i):
-        if shares:  # a budget of its own instead of cores of its own (host/emulate.py: budget_args)
-            from host.emulate import budget_args
+        if shares:  # a budget of its own instead of cores of its own (host/phones/emulate.py: budget_args)
+            from host.phones.emulate import budget_args
             a = [*budget_args(shares[i]), *phone_args]
         else:
             mine = stage_cores(i, cores_per_stage, cores)
@@ -129,7 +129,7 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, rate, w
     if links == "limiter":
         out = run()
     else:
-        from host.netns import ShapedNetwork
+        from host.phones.netns import ShapedNetwork
         with ShapedNetwork(n_phones, rate) as network:  # Local too, so only the rate differs across the sweep
             out = run(network)
     if harvest is not None:
@@ -321,7 +321,7 @@ def plots(out_dir: Path, runs: list, methods, sweep_methods, rates, stem: str = 
     if len(rates) > 1:  # one link has no curve to draw
         paths.append(link_plot(plt, runs, sweep_methods, rates, out_dir / f"{stem}_link.png"))
 
-    from host.report import draw_timeline
+    from host.run.report import draw_timeline
 
     n_st = len(base[0]["per_stage"])
     fig, axes = plt.subplots(len(base), 1, figsize=(11, 0.2 + (0.9 + 0.4 * n_st) * len(base)), squeeze=False)
@@ -386,8 +386,8 @@ def main(argv=None) -> int:
         ap.error(str(e))
 
     from exporter.manifest import load_manifest
-    from host import netns
-    from host.plan import RunSettings
+    from host.phones import netns
+    from host.run.settings import RunSettings
 
     why_not = netns.unavailable() if a.links != "limiter" else None
     if a.links == "netns" and why_not:

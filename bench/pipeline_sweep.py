@@ -96,7 +96,7 @@ def main(argv=None) -> int:
         ap.error("--windows must be at least 2: throughput is measured over the windows after the first")
 
     from exporter.manifest import load_manifest
-    from host.plan import RunSettings
+    from host.run.settings import RunSettings
 
     methods = a.methods.split(",")
     unknown = set(methods) - set(METHODS)

@@ -1,9 +1,9 @@
 """Uneven phones: the even split against the planned split, side by side, on the same phones (issue 19).
 
 Three emulated phones held to different CPU budgets (zl-phone --cpu-share, default 0.3 / 0.6 /
-0.9 of a core) and memory limits (zl-phone --mem-limit) are profiled (host/profile.py: the
+0.9 of a core) and memory limits (zl-phone --mem-limit) are profiled (host/planning/profile.py: the
 calibration programs on each phone's own runtime), the model is planned over them
-(host/split_planner.py), and ZeroLock is run twice on the same phones: with the even split (given
+(host/planning/split_planner.py), and ZeroLock is run twice on the same phones: with the even split (given
 its best assignment of chunks to phones, so only the boundaries differ), with the planned split,
 and with the re-plan zl-host run's drift report would offer after one run of the plan (each
 phone's profile scaled by measured / predicted there). The three run in interleaved rounds, so a
@@ -66,7 +66,7 @@ def export(model: str, chunks: str, out: Path, export_cfg: dict) -> Path:
 
 def run_split(export_dir: Path, handles: list, settings, mbs, run_dir: Path) -> dict:
     """One ZeroLock run with handles[k] on stage k; its throughput and per-stage times."""
-    from host.coordinator import Coordinator
+    from host.run.coordinator import Coordinator
 
     co = Coordinator(export_dir, handles, mbs, settings, run_dir, run_id=f"bench-{int(time.time())}", keep_order=True)
     wall0, cpu0 = time.time(), time.process_time()
@@ -94,12 +94,12 @@ def run_split(export_dir: Path, handles: list, settings, mbs, run_dir: Path) -> 
 
 
 def measured_ideal(results: dict, num_layers: int) -> float | None:
-    """The continuous bound (host.split_planner.ideal_time) on measured speeds: each phone's fixed
+    """The continuous bound (host.planning.split_planner.ideal_time) on measured speeds: each phone's fixed
     and per-layer time fitted (least squares) through its stage times in the runs; None when a
     phone's runs give no positive slope (one layer count only, or more layers measured no slower)."""
     import numpy as np
 
-    from host.split_planner import PhoneModel, ideal_time
+    from host.planning.split_planner import PhoneModel, ideal_time
 
     points: dict[str, list[tuple[int, float]]] = {}
     for res in results.values():
@@ -139,11 +139,11 @@ def main(argv=None) -> int:
     if a.smoke:
         a.seq_len, a.backend, a.windows, a.window, a.reps, a.rounds = 16, "portable", 3, 2, 2, 1
 
-    from host.emulate import start_phones
-    from host.plan import RunSettings
-    from host.plan_cli import emulated_phone_args, make_plan, parse_list
-    from host.profile import export_calibration, profile_devices, save_profile
-    from host.split_planner import evaluate_split, even_chunks
+    from host.cli.plan import emulated_phone_args, make_plan, parse_list
+    from host.phones.emulate import start_phones
+    from host.planning.profile import export_calibration, profile_devices, save_profile
+    from host.planning.split_planner import evaluate_split, even_chunks
+    from host.run.settings import RunSettings
 
     shares = [float(s) for s in a.shares.split(",")]
     n = len(shares)

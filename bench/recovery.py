@@ -95,7 +95,7 @@ def run_once(export_dir: Path, root: Path, settings, mbs, n_phones: int, phone_a
              max_seconds: float = 240.0, shares=None, netns: bool = False) -> dict:
     """One coordinator run over emulated phones, with the host's events timed as they happen;
     with `netns`, each phone in a namespace of its own (unshaped), so the kernel counts its traffic."""
-    from host.netns import ShapedNetwork
+    from host.phones.netns import ShapedNetwork
 
     events = []
     t0 = time.time()
@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
 
     from exporter.manifest import load_manifest
-    from host.plan import RunSettings
+    from host.run.settings import RunSettings
 
     if a.make_export:
         make_export(a.export, "0-1,2-3,4-5", micro_batch=1)
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     base_kw["heartbeat_timeout"] = a.heartbeat_timeout
-    from host.netns import unavailable as netns_unavailable
+    from host.phones.netns import unavailable as netns_unavailable
 
     why_not = netns_unavailable()
     if a.links == "netns" and why_not:

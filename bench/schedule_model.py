@@ -3,7 +3,7 @@
 Throughput with three and four stages needs each stage on its own cores, which this 2-core
 machine does not have. This script takes a measured 2-stage run of bench/pipeline.py (every
 method's stage timelines on the Local link), derives each stage's phase durations from them, and
-replays the same schedules (host/pipeline_model.py: zl_mobile/schedules.py's action streams, the
+replays the same schedules (host/planning/schedule_simulator.py: zl_mobile/schedules.py's action streams, the
 links' rate, delay and credits) for 2, 3 and 4 stages on every link of the run.
 
 First it checks itself: the 2-stage predictions against the run's measured throughput on every
@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, now_iso  # noqa: E402
 
-from host.pipeline_model import LinkModel, StageTimes, simulate  # noqa: E402
+from host.planning.schedule_simulator import LinkModel, StageTimes, simulate  # noqa: E402
 
 BASELINES = ("gpipe", "1f1b", "pipedream")
 TARGETS = {"gpipe": 1.6, "1f1b": 1.6, "pipedream": 1.05}  # issue 7's throughput targets at b=8, m=4

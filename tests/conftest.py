@@ -196,12 +196,12 @@ def small_micro_batches(export_dir: Path, n_examples: int = 8, micro_batch: int 
 
 def run_pipeline(export_dir: Path, root: Path, settings, micro_batches, n_phones: int = 3, on_event=None,
                  phone_args=None, network=None, phones_out: list | None = None):
-    """host.emulate.run_on_emulated_phones with the tests' defaults: this process's phone names, run
+    """host.phones.emulate.run_on_emulated_phones with the tests' defaults: this process's phone names, run
     id "test", a run that hangs ended after 300 s (a failed test, not a stalled CI). Returns (result,
     metrics records)."""
     import os
 
-    from host.emulate import run_on_emulated_phones
+    from host.phones.emulate import run_on_emulated_phones
 
     if settings.max_seconds is None:
         settings.max_seconds = 300

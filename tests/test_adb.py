@@ -1,4 +1,4 @@
-"""host.adb: dumpsys parsers on sample outputs, and discovery against a real adb server."""
+"""host.devices.adb: dumpsys parsers on sample outputs, and discovery against a real adb server."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from host.adb import (
+from host.devices.adb import (
     AdbPhone,
     AdbUnavailable,
     DumpsysParseError,

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from host import adb
-from host.adb_wiring import (
+from host.devices import adb
+from host.devices.adb_wiring import (
     APP_PACKAGE,
     APP_PORT,
     HOST,
@@ -36,7 +36,7 @@ from host.adb_wiring import (
     peer_of,
     plan_route,
 )
-from host.coordinator import DeviceHandle
+from host.run.coordinator import DeviceHandle
 
 from .emulated_adbd import EmulatedAdbd, usb_phone_sandbox
 
@@ -101,7 +101,7 @@ def test_sha256sum_output():
 @pytest.fixture(scope="module")
 def adb_server():
     """A private adb server on a free port (never the user's 5037), killed afterwards; every
-    host.adb call in this module talks to it through ANDROID_ADB_SERVER_PORT."""
+    host.devices.adb call in this module talks to it through ANDROID_ADB_SERVER_PORT."""
     exe = shutil.which("adb")
     if exe is None:
         pytest.fail("adb is not on PATH: apt-get install adb (Debian's package; CI installs it)")
@@ -135,7 +135,7 @@ class UsbPhone:
     """A zl-phone process (no mDNS: reachable only "over USB") behind an emulated adbd."""
 
     def __init__(self, root: Path, name: str, server_port: int, *, run_as: bool = True, staging: Path):
-        from host.emulated_phone import EmulatedPhone
+        from host.phones.emulated_phone import EmulatedPhone
 
         self.token = secrets.token_hex(32)
         self.phone = EmulatedPhone(name, root / name / "phone", self.token, ["--mdns", "none"]).start()
@@ -162,7 +162,7 @@ def test_adb_commands_fail_with_one_clear_line(adb_server):
 
 
 def test_forward_reverse_push_on_an_emulated_usb_device(adb_server, tmp_path):
-    """The wrappers in host/adb.py against the real adb server: forward, reverse (tcp:0 reports
+    """The wrappers in host/devices/adb.py against the real adb server: forward, reverse (tcp:0 reports
     the port), push, shell exit codes, cleanup of exactly what was made."""
     adbd = EmulatedAdbd(tmp_path / "dev")
     try:
@@ -313,7 +313,7 @@ def test_push_falls_back_when_the_app_is_not_debuggable(adb_server, tmp_path):
 
 def test_nothing_serving_behind_the_forward_is_one_clear_line(adb_server, small_export, tmp_path, capsys):
     """A phone on USB without the app serving: adb forward accepts the connection, then closes it."""
-    from host.cli import main
+    from host.cli.zl_host import main
 
     adbd = EmulatedAdbd(tmp_path / "dev", ports={APP_PORT: _free_port()})  # nothing listens there
     serial = attach(adbd, adb_server)
@@ -338,7 +338,7 @@ def test_nothing_serving_behind_the_forward_is_one_clear_line(adb_server, small_
 
 
 def test_named_adb_phone_without_token(adb_server, small_export, tmp_path, capsys):
-    from host.cli import main
+    from host.cli.zl_host import main
 
     adbd = EmulatedAdbd(tmp_path / "dev")
     serial = attach(adbd, adb_server)
@@ -367,7 +367,7 @@ def test_run_over_usb_pushes_once_forwards_reverses_and_cleans_up(adb_server, sm
     pushes every file with adb push, the second finds the same sha256 on the phones and pushes
     nothing; control goes through adb forward, hidden states phone to phone through adb reverse +
     forward; PSS and temperature come from dumpsys; every forward and reverse is gone afterwards."""
-    from host.cli import main
+    from host.cli.zl_host import main
 
     out = small_export[0]
     manifest = json.loads((out / "manifest.json").read_text())
@@ -428,9 +428,9 @@ def test_run_over_usb_pushes_once_forwards_reverses_and_cleans_up(adb_server, sm
 def test_mixed_usb_and_local_phones_with_protocol_fallback(adb_server, small_export, tmp_path):
     """Stage order USB -> local -> USB covers host->adb, adb->local (reverse only) and local->adb
     (forward only); the last phone's app is not debuggable, so its files go by FILE_* instead."""
-    from host.coordinator import Coordinator
-    from host.emulated_phone import EmulatedPhone
-    from host.plan import RunSettings
+    from host.phones.emulated_phone import EmulatedPhone
+    from host.run.coordinator import Coordinator
+    from host.run.settings import RunSettings
     from tests.conftest import small_micro_batches
 
     out = small_export[0]

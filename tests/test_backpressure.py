@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hsettings
 from hypothesis import strategies as st
 
-from host.cli import main
-from host.plan import RunSettings
+from host.cli.zl_host import main
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 from tests.test_recovery import _commits, assert_as_uninterrupted
 
@@ -144,7 +144,7 @@ def test_a_run_where_no_stage_progresses_stops_saying_where_each_stands(short_ba
     """All phones answer heartbeats, none reports progress for longer than stall_timeout (here a
     phase 1 that takes 60 s, far past a 3 s stall timeout): the run stops with each stage's place,
     instead of waiting on."""
-    from host.coordinator import RunError
+    from host.run.coordinator import RunError
 
     out, mbs, base, base_records = short_baseline
     stuck = {"stage": 1, "window": 1, "point": "slow-phase1", "seconds": 60.0}

@@ -333,7 +333,7 @@ def test_cli_decode_block_reaches_the_config_and_a_bad_one_is_refused(tmp_path, 
 
 @pytest.mark.parametrize("fmt,rel", [("int8", 0.02), ("int4", 0.1)])
 def test_eval_uses_the_base_weights_the_adapter_was_trained_on(small_model_dir, small_export, fmt, rel):
-    from host.evaluate import evaluate
+    from host.evaluation.evaluate import evaluate
     from tests.conftest import small_micro_batches
 
     batches = small_micro_batches(small_export[0], n_examples=4)

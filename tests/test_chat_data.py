@@ -133,7 +133,7 @@ def test_an_export_carries_the_models_chat_template(small_model_dir, tmp_path):
     import shutil
 
     from exporter.export import export_model
-    from host.run_data import export_tokenizer
+    from host.run.data import export_tokenizer
 
     from .conftest import small_export_config
 

@@ -17,8 +17,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from exporter.cli import main as export_main
-from host.adapter import write_peft_adapter
-from host.cli import main as host_main
+from host.cli.zl_host import main as host_main
+from host.outputs.adapter import write_peft_adapter
 
 
 def _line(capsys, prog: str) -> str:
@@ -64,7 +64,7 @@ def _edit_config(adapter_dir: Path, **over) -> None:
 
 
 def test_a_sound_adapter_passes_the_checks(small_export, adapter):
-    from host.adapter_check import check_adapter
+    from host.outputs.adapter_check import check_adapter
 
     adapter_dir, _, manifest = adapter
     check_adapter(adapter_dir, Path(manifest["model"]["path"]), manifest["lora"])
@@ -143,7 +143,7 @@ def test_a_jsonl_file_with_most_rows_bad_is_refused_with_the_rows_shown(small_ex
 
 def test_a_jsonl_file_with_a_few_bad_rows_is_warned_about(small_export, tmp_path, capsys):
     from exporter.manifest import load_manifest
-    from host.run_data import prepare_data
+    from host.run.data import prepare_data
     from zl_common.data import synthetic_examples
 
     data = tmp_path / "rows.jsonl"

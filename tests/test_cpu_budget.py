@@ -29,7 +29,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _phone(tmp_path, name, *args):
-    """A zl-phone started by hand (not through host/emulate.py); returns (process, port)."""
+    """A zl-phone started by hand (not through host/phones/emulate.py); returns (process, port)."""
     proc = subprocess.Popen([sys.executable, "-m", "zl_mobile.phone", "--name", name, "--workdir", str(tmp_path / name),
                              "--mdns", "none", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for line in proc.stdout:
@@ -131,8 +131,8 @@ def test_sigkilled_phone_leaves_its_cgroup_to_the_next_start_or_its_parent(tmp_p
 
 
 def test_host_removes_the_cgroup_of_a_phone_it_killed_also_in_a_network_namespace(tmp_path):
-    from host import netns
-    from host.emulate import start_phones
+    from host.phones import netns
+    from host.phones.emulate import start_phones
 
     assert netns.unavailable() is None, netns.unavailable()
     phones = start_phones(2, tmp_path, prefix=f"cbk{os.getpid()}-", cpu_shares=[FAST, 1.2])
@@ -171,7 +171,7 @@ def _txt(name: str) -> dict:
 def _client_hello(phone):
     import queue
 
-    from host.client import DeviceClient
+    from host.run.client import DeviceClient
 
     c = DeviceClient(phone.name, phone.endpoint, phone.token, queue.Queue())
     try:
@@ -198,9 +198,9 @@ def _measured_share(export_dir: Path, root: Path, share: float, out: dict, key, 
     inside), sampled from /proc/PID/stat when each micro-batch's telemetry arrives. The window is
     sized to the share (100 micro-batches at 0.3 of a core, about 3 s), so runs at different shares
     that start together (`barrier`: once every phone is up) compute over the same seconds."""
-    from host.coordinator import Coordinator
-    from host.emulate import start_phones
-    from host.plan import RunSettings
+    from host.phones.emulate import start_phones
+    from host.run.coordinator import Coordinator
+    from host.run.settings import RunSettings
 
     m = round(100 * share / 0.3)
     phones = start_phones(1, root / "phones", prefix=f"cbs{os.getpid()}-{key}-", cpu_shares=[share])
@@ -259,7 +259,7 @@ def test_two_budgeted_phones_at_once_each_keep_their_share(one_stage_export, tmp
 
 
 def test_zl_host_run_budgets_its_phones_and_the_report_shows_it(small_export, tmp_path):
-    from host.cli import main
+    from host.cli.zl_host import main
     from zl_common.data import synthetic_examples
 
     data = tmp_path / "train.jsonl"
@@ -287,7 +287,7 @@ def test_zl_host_run_budgets_its_phones_and_the_report_shows_it(small_export, tm
 
 
 def test_budgets_are_for_emulated_phones_only(one_stage_export, tmp_path, capsys):
-    from host.cli import main
+    from host.cli.zl_host import main
     from zl_common.data import synthetic_examples
 
     data = tmp_path / "train.jsonl"

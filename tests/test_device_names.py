@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from host.devices import DeviceLookupError, Reachable, pick
+from host.devices.discovery import DeviceLookupError, Reachable, pick
 
 
 @pytest.mark.parametrize("name", ["phone.", ".phone", "a..b", "...", ".", "x._sub", "x._SUB"])

@@ -9,8 +9,8 @@ import secrets
 
 import pytest
 
-from host.client import DeviceClient
-from host.emulate import start_phones
+from host.phones.emulate import start_phones
+from host.run.client import DeviceClient
 from zl_mobile.mdns import Advertisement, txt_record
 from zl_mobile.protocol import new_token
 
@@ -18,7 +18,7 @@ TAG = f"dp{os.getpid()}{secrets.token_hex(2)}"  # other tests' phones may advert
 
 
 def test_auto_names_each_phone_it_cannot_use_and_why(tmp_path):
-    from host.devices import DeviceLookupError, resolve
+    from host.devices.discovery import DeviceLookupError, resolve
 
     (busy,) = start_phones(1, tmp_path / "phones", prefix=f"{TAG}-busy")  # a real zl-phone, on mDNS
     ads = [Advertisement(f"{TAG}-notoken", 40061, txt_record(f"{TAG}-notoken", 2, "fake/x", 2**30)),
@@ -47,7 +47,7 @@ def test_auto_names_each_phone_it_cannot_use_and_why(tmp_path):
 
 
 def test_kotlin_phone_keeps_its_token_where_auto_reads_it(tmp_path, monkeypatch):
-    import host.devices as devices
+    import host.devices.discovery as devices
 
     (phone,) = start_phones(1, tmp_path, prefix=f"{TAG}-kt", runtimes=["kotlin"])
     try:

@@ -52,7 +52,7 @@ def publisher():
 
 # ---------------------------------------------------------------- bad TXT records
 def test_bad_txt_records_are_listed_with_the_reason_never_a_crash(publisher, capsys):
-    from host.cli import main
+    from host.cli.zl_host import main
 
     publisher(f"{TAG}-mem", 40001, {"name": f"{TAG}-mem", **GOOD, "mem": "8GB"})
     publisher(f"{TAG}-nomem", 40002, {"name": f"{TAG}-nomem", "proto": "2", "runtime": "fake/zeroconf"})
@@ -73,7 +73,7 @@ def test_bad_txt_records_are_listed_with_the_reason_never_a_crash(publisher, cap
 
 
 def test_run_devices_uses_only_valid_phones_and_says_what_it_skipped(publisher, capsys):
-    from host.devices import DeviceLookupError, resolve
+    from host.devices.discovery import DeviceLookupError, resolve
 
     publisher(f"{TAG}-bad", 40011, {"name": f"{TAG}-bad", **GOOD, "mem": "8GB"})
     publisher(f"{TAG}-good", 40012, {"name": f"{TAG}-good", **GOOD})
@@ -193,7 +193,7 @@ def test_relabelling_touches_only_instance_names_of_our_service():
 
 # ---------------------------------------------------------------- conflicts and namesakes
 def test_a_taken_name_is_renamed_and_namesakes_are_refused_by_name(capsys):
-    from host.devices import DeviceLookupError, resolve
+    from host.devices.discovery import DeviceLookupError, resolve
 
     name = f"{TAG}-twin"
     first = Advertisement(name, 40031, txt_record(name, 2, "fake/x", 5))

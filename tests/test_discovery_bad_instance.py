@@ -64,7 +64,7 @@ def _no_raw_controls(text: str) -> None:
 
 
 def test_devices_lists_a_bad_instance_escaped_and_the_valid_phone_beside_it(publisher, bad_advert, capsys):  # noqa: F811
-    from host.cli import main
+    from host.cli.zl_host import main
 
     publisher(f"{TAG}-ok", 40022, {"name": f"{TAG}-ok", **GOOD})
     time.sleep(0.5)  # the bad advert is on the wire before the browse starts
@@ -85,7 +85,7 @@ def test_devices_lists_a_bad_instance_escaped_and_the_valid_phone_beside_it(publ
 
 
 def test_devices_auto_uses_the_valid_phone_despite_a_bad_instance(publisher, bad_advert, capsys):  # noqa: F811
-    from host.devices import resolve
+    from host.devices.discovery import resolve
 
     publisher(f"{TAG}-good", 40023, {"name": f"{TAG}-good", **GOOD})
     time.sleep(0.5)

@@ -81,7 +81,7 @@ def uneven_data_file(tmp_path_factory) -> Path:
 
 
 def _train(export, data):
-    from host.dist import load_run_inputs
+    from host.dist.ranks import load_run_inputs
 
     a = Namespace(program=str(export), data=str(data), steps=WINDOWS, window=WINDOW, micro_batches=None, epochs=None)
     manifest, train, windows = load_run_inputs(a)
@@ -92,7 +92,7 @@ def test_zerolock_ranks_equal_emulated_phones(dist_runs, small_export, data_file
     """The LoRA after N windows on 3 torch.distributed ranks equals that of the same run on three
     emulated phones (zl-phone --backend eager, the coordinator and TCP links) to 1e-6; the run
     directory is the one zl-host run writes, with the phones' telemetry keys."""
-    from host.plan import RunSettings
+    from host.run.settings import RunSettings
 
     run = dist_runs / "zerolock"
     out = small_export[0]
@@ -243,7 +243,7 @@ def test_launcher_refuses_bad_options(small_export, data_file, tmp_path):
 def test_ranks_equal_phones_on_uneven_answers(small_export, uneven_data_file, tmp_path):
     """Answers of 1, 2 and 3 tokens: the ranks weight each micro-batch by its valid positions, as
     the phones do (zl_mobile/accumulate.py), so both train to the same LoRA."""
-    from host.plan import RunSettings
+    from host.run.settings import RunSettings
 
     out = small_export[0]
     _, train = _train(out, uneven_data_file)

@@ -17,7 +17,7 @@ from safetensors import safe_open
 
 from exporter.manifest import load_manifest
 from exporter.verify import bp_zero_probe, sample_lora
-from host.plan import RunSettings
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 from tests.test_export_bp import _batch
 from zl_common.manifest import ChunkEntry

@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from host.cli import build_parser, main
-from host.generation import exact_match, last_turns, token_f1
+from host.cli.zl_host import build_parser, main
+from host.evaluation.generation import exact_match, last_turns, token_f1
 from zl_common.data import synthetic_examples
 
 
@@ -60,7 +60,7 @@ def test_a_malformed_row_starts_nothing_and_writes_nothing(small_model_dir, tmp_
 
 
 def test_finetune_a_chat_file_end_to_end(small_model_dir, tmp_path, capsys):
-    from host.finetune import cached_export, export_plan
+    from host.cli.finetune import cached_export, export_plan
 
     data = chat_file(tmp_path / "chat.jsonl")
     args = finetune_args(small_model_dir, data, tmp_path)
@@ -89,7 +89,7 @@ def test_finetune_a_chat_file_end_to_end(small_model_dir, tmp_path, capsys):
 
 
 def test_seq_len_auto_fits_the_longest_row_with_the_models_tokenizer(small_model_dir, capsys):
-    from host.finetune import auto_seq_len
+    from host.cli.finetune import auto_seq_len
 
     def chat(words):
         return {"messages": [{"role": "user", "content": " ".join(["the"] * words)},

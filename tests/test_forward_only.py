@@ -8,14 +8,14 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from host.plan import PlanError, RunSettings
+from host.run.settings import PlanError, RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 
 W, WINDOWS = 2, 3
 
 
 def test_lr_zero_is_forward_only_in_the_settings():
-    from host.option_types import lrs
+    from host.cli.option_types import lrs
 
     assert lrs("0,0,3e-3") == [0.0, 0.0, 3e-3]
     with pytest.raises(argparse.ArgumentTypeError, match="forward-only"):
@@ -26,7 +26,7 @@ def test_lr_zero_is_forward_only_in_the_settings():
 
 
 def test_three_phones_with_lr_0_0_x_train_the_last_stage_only(small_export, tmp_path):
-    from host.report import write_report
+    from host.run.report import write_report
 
     out, manifest = small_export[0], small_export[1]
     settings = RunSettings(windows=WINDOWS, window_size=W, lr=[0.0, 0.0, 2e-2], inflight_depth=4)

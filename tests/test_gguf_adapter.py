@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from host.adapter_check import AdapterError
-from host.cli import main
+from host.cli.zl_host import main
+from host.outputs.adapter_check import AdapterError
 
 from .conftest import cli_error_line, write_gguf_llama
 
@@ -54,7 +54,7 @@ def _tensors(path):
 
 
 def test_adapter_gguf_has_llama_cpps_names_shapes_and_metadata(base_and_adapter):
-    from host.gguf_adapter import write_gguf_adapter
+    from host.outputs.gguf_adapter import write_gguf_adapter
 
     base, adapter, d = base_and_adapter
     out = write_gguf_adapter(adapter, base, d / "adapter.gguf")
@@ -82,8 +82,8 @@ def test_adapter_applied_as_llama_cpp_does_gives_the_merged_weights(base_and_ada
     from peft import PeftModel
 
     from exporter.gguf_model import load_gguf_model
-    from host.gguf_adapter import write_gguf_adapter
-    from host.merged_model import merged_model, write_merged_gguf
+    from host.outputs.gguf_adapter import write_gguf_adapter
+    from host.outputs.merged_model import merged_model, write_merged_gguf
 
     base, adapter, d = base_and_adapter
     _, ad = _tensors(write_gguf_adapter(adapter, base, d / "a2.gguf"))
@@ -111,7 +111,7 @@ def test_merged_hf_dir_loads_in_transformers_with_peft_logits(base_and_adapter, 
     from transformers import LlamaForCausalLM
 
     from exporter.gguf_model import load_gguf_model
-    from host.merged_model import merged_model, write_merged_hf
+    from host.outputs.merged_model import merged_model, write_merged_hf
     from tests.conftest import build_bpe_tokenizer
 
     base, adapter, _ = base_and_adapter
@@ -129,7 +129,7 @@ def test_adapter_for_another_base_or_targets_is_refused(base_and_adapter, tmp_pa
     from transformers import LlamaForCausalLM
 
     from exporter.model_source import llama_config
-    from host.gguf_adapter import write_gguf_adapter
+    from host.outputs.gguf_adapter import write_gguf_adapter
 
     base, adapter, _ = base_and_adapter
     other = _peft_adapter(LlamaForCausalLM(llama_config(num_hidden_layers=2, hidden_size=32, intermediate_size=64)),

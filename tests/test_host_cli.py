@@ -9,8 +9,8 @@ import time
 import numpy as np
 import pytest
 
-from host.cli import main
-from host.emulate import start_phones
+from host.cli.zl_host import main
+from host.phones.emulate import start_phones
 from zl_common.data import synthetic_examples
 from zl_mobile.processes import pid_alive
 
@@ -35,7 +35,7 @@ def e2e(small_export, data_file, tmp_path_factory):
     try:
         rc = main(["run", "--program", str(out), "--data", str(data_file), "--devices", "auto", "--tokens", str(tokens),
                    "--steps", "4", "--window", "2", "--lr", "2e-2", "--out", str(run), "--wait", "20"])
-        from host.devices import find_devices
+        from host.devices.discovery import find_devices
         listing = {f.name: f.endpoint for f in find_devices(timeout=2.0)[0]}
         listing["expected"] = {p.name: p.endpoint for p in phones}
     finally:
@@ -64,7 +64,7 @@ def test_run_over_mdns_trains_and_writes_adapter_and_report(e2e):
 
 
 def test_adapter_loads_in_peft_and_changes_logits(e2e, small_model_dir):
-    from host.evaluate import logits_change
+    from host.evaluation.evaluate import logits_change
 
     out, run, rc, _ = e2e
     batch = {"input_ids": np.array([[1, 5, 9, 12, 7, 3]], dtype=np.int64)}
@@ -84,9 +84,9 @@ def test_eval_shows_prompts_with_both_answers(e2e, data_file, capsys):
     from transformers import AutoTokenizer
 
     from exporter.manifest import load_manifest
-    from host.answers import prompts_and_answers
-    from host.evaluate import split_held_out
-    from host.run_data import prepare_data
+    from host.evaluation.answers import prompts_and_answers
+    from host.evaluation.evaluate import split_held_out
+    from host.run.data import prepare_data
 
     out, run, rc, _ = e2e
     _, held_out = split_held_out(prepare_data(out, load_manifest(out), str(data_file), training=False))
@@ -221,7 +221,7 @@ def test_host_killed_and_resumed_ends_with_the_uninterrupted_lora(small_export, 
 
 
 def test_emulated_phones_on_shaped_links(small_export, data_file, tmp_path, capsys):
-    from host import netns
+    from host.phones import netns
 
     run = tmp_path / "run"
     assert main(["run", "--program", str(small_export[0]), "--data", str(data_file), "--devices", "emulated:3",
@@ -366,12 +366,12 @@ def test_run_and_eval_on_quantized_base_weights(fmt, data_file, tmp_path, capsys
 
 
 def test_greedy_answers_are_the_argmax_continuation(small_model_dir):
-    """host.answers decodes with transformers' generate: the same tokens as taking the argmax one
+    """host.evaluation.answers decodes with transformers' generate: the same tokens as taking the argmax one
     step at a time, stopping before the eos."""
     import torch
 
     from exporter.model_source import load_model_dir
-    from host.answers import _greedy
+    from host.evaluation.answers import _greedy
 
     model = load_model_dir(small_model_dir).eval()
     ids = torch.tensor([[5, 9, 11, 3, 7]])
@@ -391,7 +391,7 @@ def test_a_zombie_is_not_alive_and_a_dying_phone_is_not_adopted(tmp_path):
     moment ago can still complete a connection in its backlog: neither is a phone to adopt."""
     import subprocess
 
-    from host.emulated_phone import EmulatedPhone
+    from host.phones.emulated_phone import EmulatedPhone
     from zl_mobile.processes import wait_gone
 
     child = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -417,8 +417,8 @@ def test_run_options_and_run_config_agree():
     builds in code is what the command line gives (an option added to one and not the other fails)."""
     from dataclasses import fields
 
-    from host.cli import build_parser
-    from host.run_config import RunConfig
+    from host.cli.zl_host import build_parser
+    from host.run.config import RunConfig
 
     parser = build_parser()
     run_parser = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "run")[1]

@@ -1,4 +1,4 @@
-"""The host's session with a phone (host.client.open_session) against a real zl-phone: the phone
+"""The host's session with a phone (host.run.client.open_session) against a real zl-phone: the phone
 serves one host at a time, and a host that reconnects right after closing its own session waits
 for the phone to free the slot instead of failing (what a loaded phone made zl-host profile do)."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from host.client import DeviceError, open_session
-from host.emulate import start_phones
+from host.phones.emulate import start_phones
+from host.run.client import DeviceError, open_session
 
 
 @pytest.fixture(scope="module")

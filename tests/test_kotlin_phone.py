@@ -17,11 +17,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host.cli_error import CliError
-from host.emulate import start_phones
-from host.emulated_phone import EmulatorError
-from host.kotlin_phone import KotlinPhone, classpath, parse_runtimes
-from host.plan import RunSettings
+from host.cli.error import CliError
+from host.phones.emulate import start_phones
+from host.phones.emulated_phone import EmulatorError
+from host.phones.kotlin_phone import KotlinPhone, classpath, parse_runtimes
+from host.run.settings import RunSettings
 from tests.conftest import small_micro_batches
 
 WINDOWS = 3
@@ -44,7 +44,7 @@ def assert_same_training(result, records, base, windows: int, recoveries: int | 
 
 
 def _run(export_dir: Path, root: Path, runtimes: list[str], phones_out: list | None = None, settings=None, on_event=None):
-    from host.coordinator import Coordinator
+    from host.run.coordinator import Coordinator
 
     phones = start_phones(len(runtimes), root / "phones", prefix=f"k{os.getpid()}-", runtimes=runtimes)
     if phones_out is not None:
@@ -140,7 +140,7 @@ def test_kotlin_phone_refuses_options_it_lacks(built, tmp_path):
 
 
 def test_zl_host_run_refuses_runtime_for_real_devices(small_export, capsys):
-    from host.cli import main
+    from host.cli.zl_host import main
 
     rc = main(["run", "--program", str(small_export[0]), "--devices", "phone-a,phone-b", "--runtime", "kotlin"])
     err = capsys.readouterr().err
@@ -240,7 +240,7 @@ def test_an_injected_failure_ends_with_the_uninterrupted_lora(small_export, base
     reconnects to the same process), the stage restores its last checkpoint (mid-checkpoint: never
     the half-written one), its upstream replays, and the run ends with the uninterrupted run's LoRA
     bit for bit, every window committed once per stage."""
-    from host.run_config import parse_failures
+    from host.run.config import parse_failures
     from zl_mobile.stage import FAILURE_EXIT_CODE
 
     base, _ = baselines(runtimes)
@@ -296,11 +296,11 @@ def test_a_stalled_kotlin_phase_is_not_taken_for_a_dead_phone(small_export, base
 
 
 def test_kotlin_phone_mem_limit_kills_and_bad_size_is_refused(built, tmp_path):
-    """--mem-limit is passed through (host/kotlin_phone.py) and acts as zl-phone's: a JVM over its limit
+    """--mem-limit is passed through (host/phones/kotlin_phone.py) and acts as zl-phone's: a JVM over its limit
     ends at once with exit 137 and the one-line reason; a bad size is exit 2 before anything is created."""
     import subprocess
 
-    from host.kotlin_phone import java_command
+    from host.phones.kotlin_phone import java_command
     from zl_mobile.memlimit import KILLED_EXIT_CODE
 
     # a JVM's resident set is well over 24 MiB before it listens: the watchdog ends it
@@ -326,7 +326,7 @@ def test_kotlin_phone_hello_reports_its_budget(built, tmp_path):
     (under the CPU-budget launcher) reports both; one without reports no share and MemAvailable."""
     import socket
 
-    from host.kotlin_phone import txt_for
+    from host.phones.kotlin_phone import txt_for
     from zl_mobile.memlimit import available_bytes
     from zl_mobile.protocol import host_handshake
     from zl_mobile.telemetry import total_memory_bytes
@@ -365,7 +365,7 @@ def test_kotlin_phone_takes_link_shaping_options(built, tmp_path):
     import socket
     import subprocess
 
-    from host.kotlin_phone import java_command
+    from host.phones.kotlin_phone import java_command
     from zl_mobile.protocol import host_handshake
 
     shaped = ["--rate-mbit", "10", "--link-delay-ms", "5"]

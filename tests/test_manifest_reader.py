@@ -154,8 +154,8 @@ def _export_on_disk(root, m: dict):
 def test_the_coordinator_takes_each_chunks_entry_for_the_schedule(tmp_path):
     """The devices are weighed by the program each runs (a BP stage by its BP activations), and an
     export without the schedule's programs is refused in one line before any phone is touched."""
-    from host.coordinator import Coordinator, DeviceHandle, RunError
-    from host.plan import RunSettings
+    from host.run.coordinator import Coordinator, DeviceHandle, RunError
+    from host.run.settings import RunSettings
 
     m = _manifest()
     m["chunks"][0]["bp"]["saved_activation_bytes"] = 1000  # chunk 0's BP stage holds the most; chunk 1's ZeroLock one
@@ -177,9 +177,9 @@ def test_the_coordinator_takes_each_chunks_entry_for_the_schedule(tmp_path):
 
 
 def test_the_least_memory_a_phone_needs_is_that_of_the_schedules_program(tmp_path):
-    """`--devices auto` passes over phones with less (host.device_problems): the floor is weighed as
+    """`--devices auto` passes over phones with less (host.devices.problems): the floor is weighed as
     the coordinator weighs the chunks, and an export without the schedule's programs sets none."""
-    from host.device_problems import min_chunk_bytes
+    from host.devices.problems import min_chunk_bytes
 
     m = _manifest()
     m["chunks"][0]["bp"]["saved_activation_bytes"] = 1000

@@ -1,4 +1,4 @@
-"""host.netns: emulated phones in their own network namespaces, behind kernel-shaped links.
+"""host.phones.netns: emulated phones in their own network namespaces, behind kernel-shaped links.
 
 Needs root and iproute2 with tbf; where the machine cannot make namespaces the benchmarks fall
 back to the transport's rate limiter (tested in test_protocol.py), and these tests say why."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host import netns
-from host.emulated_phone import EmulatedPhone
-from host.plan import RunSettings
+from host.phones import netns
+from host.phones.emulated_phone import EmulatedPhone
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 
 WHY_NOT = netns.unavailable()
@@ -79,7 +79,7 @@ def test_shaped_links_pass_whole_packets(mbit):
 
 def test_a_network_whose_owner_was_killed_is_removed_by_the_next_one():
     # a bench killed with SIGKILL cannot close its network; the next one to open sweeps it
-    killed = subprocess.run([sys.executable, "-c", "import os; from host import netns; n = netns.ShapedNetwork(1).open(); "
+    killed = subprocess.run([sys.executable, "-c", "import os; from host.phones import netns; n = netns.ShapedNetwork(1).open(); "
                              "print(n.bridge, n.phones[0].ns, flush=True); os.kill(os.getpid(), 9)"],
                             capture_output=True, text=True, timeout=60, cwd=Path(__file__).resolve().parent.parent)
     bridge, ns = killed.stdout.split()

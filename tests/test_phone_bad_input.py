@@ -17,8 +17,8 @@ import zlib
 import numpy as np
 import pytest
 
-from host.client import DeviceClient
-from host.emulated_phone import EmulatedPhone
+from host.phones.emulated_phone import EmulatedPhone
+from host.run.client import DeviceClient
 from zl_mobile.connection import Connection, connect
 from zl_mobile.device import sha256_file
 from zl_mobile.protocol import (

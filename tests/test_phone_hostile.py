@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from host.client import DeviceClient
-from host.emulated_phone import EmulatedPhone
+from host.phones.emulated_phone import EmulatedPhone
+from host.run.client import DeviceClient
 from tests.conftest import sealed_frame
 from tests.test_phone_bad_input import TIMEOUT, Log, Session, _seq, _sha, assert_serves, auth_request, wait_free
 from zl_mobile.protocol import PREAUTH_MAX_FRAME, ConnectionClosed, Message, MsgType, encode_message, new_token, recv_message

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from host.plan import RunSettings
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 
 

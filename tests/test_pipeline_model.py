@@ -1,8 +1,8 @@
-"""host/pipeline_model.py: the schedules replayed on given phase times give the timelines the
+"""host/planning/schedule_simulator.py: the schedules replayed on given phase times give the timelines the
 pipeline literature derives by hand (bubbles, latency, link rate, credits)."""
 import pytest
 
-from host.pipeline_model import LinkModel, StageTimes, simulate
+from host.planning.schedule_simulator import LinkModel, StageTimes, simulate
 
 F, P2, STEP, MB, M = 0.05, 0.08, 0.01, 2, 4  # seconds, samples per micro-batch, micro-batches per window
 

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from host.cli import main
-from host.drift import DriftWatch, describe
+from host.cli.zl_host import main
+from host.run.drift import DriftWatch, describe
 from zl_common.data import synthetic_examples
 
 MiB = 2**20
@@ -73,7 +73,7 @@ def test_profile_two_emulated_phones(profiled, capsys):
 
 
 def test_calibration_layers_are_far_apart_within_the_model():
-    from host.profile import calibration_layers
+    from host.planning.profile import calibration_layers
 
     assert [calibration_layers(n) for n in (2, 3, 12, 22, 30, 80)] == [(1, 2), (1, 3), (1, 3), (1, 5), (1, 7), (1, 8)]
 
@@ -125,7 +125,7 @@ def test_run_with_plan_uses_its_order_and_reports_drift(profiled, small_export, 
     base = json.loads((out / "emu0.json").read_text())
     for name in ("emu0", "emu1", "emu2"):
         (profiles / f"{name}.json").write_text(json.dumps({**base, "device": name}))
-    from host.plan_cli import make_plan
+    from host.cli.plan import make_plan
     plan, _, _ = make_plan(str(small_model_dir), base["export"], [json.loads((profiles / f"emu{i}.json").read_text())
                                                    for i in range(3)], 2)
     plan_json = plan.to_json()
@@ -206,7 +206,7 @@ def test_drift_watch_reports_beyond_margin_only():
 
 def test_profile_fit_recovers_per_layer_and_fixed_costs(tmp_path):
     """build_profile on known calibration numbers: t(n) = fixed + n x per-layer, step shared out."""
-    from host.profile import build_profile, phone_model
+    from host.planning.profile import build_profile, phone_model
 
     def run(n):
         return {"layers": n, "phase1_s": 0.002 + n * 0.001, "phase2_s": 0.010 + n * 0.003, "step_s": 0.020 + n * 0.004,
@@ -235,7 +235,7 @@ def test_profile_fit_when_noise_hides_the_layer_cost_keeps_the_one_layer_time(tm
     """The 3-layer stage measured no slower than the 1-layer one (timer or quota noise): the fit
     falls back to sharing the 1-layer time between fixed and per-layer cost, and the model of a
     1-layer stage still takes what was measured (it once counted that time twice)."""
-    from host.profile import build_profile, phone_model
+    from host.planning.profile import build_profile, phone_model
 
     def run(n, p1, p2):
         return {"layers": n, "phase1_s": p1, "phase2_s": p2, "step_s": 0.0, "rss_peak_bytes": 300 * MiB,
@@ -269,7 +269,7 @@ def test_export_chunks_from_a_plan_file(tmp_path):
 def test_a_budgeted_phone_is_paced_by_its_cpu_time():
     """On a CPU budget a stage's long-run time per micro-batch is its CPU time / share, whatever a
     short calibration's wall clock read; without a budget the wall time stands."""
-    from host.profile import paced_busy_s
+    from host.planning.profile import paced_busy_s
 
     assert paced_busy_s(0.0143, 0.0300, 0.9) == pytest.approx(0.0300 / 0.9)
     assert paced_busy_s(0.0625, 0.0150, 0.3) == pytest.approx(0.0500)
@@ -281,7 +281,7 @@ def test_a_budgeted_phone_is_paced_by_its_cpu_time():
 def test_calibration_gives_faster_phones_more_micro_batches():
     """Every phone computes about as long as the slowest: 3x as fast, 3x the micro-batches (plus the
     warm-up one), never fewer than reps, never more than 8 x reps."""
-    from host.profile import calibration_counts
+    from host.planning.profile import calibration_counts
 
     assert calibration_counts([0.060, 0.020, 0.030], reps=24) == [25, 73, 49]
     assert calibration_counts([1.0, 0.01], reps=4) == [5, 33]          # capped at 8 x reps
@@ -305,7 +305,7 @@ def _calibration_telemetry(period_s, count, window, step_s, start=100.0, wait_ev
 
 
 def test_busy_time_leaves_out_waits_and_the_windows_steps():
-    from host.profile import _busy_per_micro_batch
+    from host.planning.profile import _busy_per_micro_batch
 
     mbs, wins = _calibration_telemetry(0.010, 17, window=4, step_s=0.050, wait_every=0.003)
     assert _busy_per_micro_batch(mbs, wins) == pytest.approx(0.010)
@@ -316,7 +316,7 @@ def test_busy_time_leaves_out_waits_and_the_windows_steps():
 def test_phones_are_timed_only_while_all_of_them_compute(tmp_path, monkeypatch):
     """Two phones' calibration stages: the slow one runs on alone after the fast one is done (and
     faster then: 20 ms instead of 30). Only the span both ran in times it."""
-    from host.profile import _common_window, _stage_figures
+    from host.planning.profile import _common_window, _stage_figures
 
     fast_mbs, fast_win = _calibration_telemetry(0.010, 21, window=4, step_s=0.0)
     slow_mbs, slow_win = _calibration_telemetry(0.030, 9, window=4, step_s=0.0)
@@ -332,7 +332,7 @@ def test_phones_are_timed_only_while_all_of_them_compute(tmp_path, monkeypatch):
     stages = [stage(fast_mbs, fast_win), stage(slow_mbs, slow_win)]
     window = _common_window(stages)
     assert window == (pytest.approx(100.060), pytest.approx(100.210))
-    monkeypatch.setattr("host.profile._weight_bytes", lambda *a: {"embed": 0, "readout": 0, "layers": 0})
+    monkeypatch.setattr("host.planning.profile._weight_bytes", lambda *a: {"embed": 0, "readout": 0, "layers": 0})
     slow, fast = _stage_figures(stages[1], window), _stage_figures(stages[0], window)
     assert slow["busy_s"] == pytest.approx(0.030) and slow["timed_micro_batches"] == 6
     assert fast["busy_s"] == pytest.approx(0.010)

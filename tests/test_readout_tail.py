@@ -14,7 +14,7 @@ from exporter.chunk_model import ChunkModel, add_lora, example_inputs, input_nam
 from exporter.cli import main as export_main
 from exporter.model_source import load_model_dir
 from exporter.verify import ExportedModelSizes, sample_lora, verify_all
-from host.plan import RunSettings
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_export_config, small_micro_batches
 from tests.test_eager_backend import TOL, _rel, _zl_batch
 from tests.test_export_bp import _batch

@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from host.plan import RunSettings
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 
 WINDOWS = 10
@@ -132,7 +132,7 @@ def test_a_replay_the_restarted_stage_cannot_serve_is_an_error_not_a_wait(baseli
     """Stages 0 and 1 die while 0 is ahead, and stage 0's replay files are lost with it: the
     restarted stage 1 needs hidden states nobody holds any more, and the run stops saying which,
     instead of waiting forever."""
-    from host.coordinator import RunError
+    from host.run.coordinator import RunError
 
     out, mbs, base, base_records = baseline
     phones, committed, device_of, killed = [], {}, {}, []
@@ -158,8 +158,8 @@ def test_a_replay_the_restarted_stage_cannot_serve_is_an_error_not_a_wait(baseli
 
 
 def test_too_small_a_replay_horizon_is_refused_with_what_would_work(small_export, tmp_path):
-    from host.coordinator import Coordinator
-    from host.plan import PlanError
+    from host.run.coordinator import Coordinator
+    from host.run.settings import PlanError
 
     with pytest.raises(PlanError, match=r"replay horizon 1 is too small: .* use --replay-horizon 2 or more "
                                         r"\(the default, 6,"):

@@ -193,7 +193,7 @@ def test_the_phones_train_the_lora_the_reference_trainer_trains(small_export, sm
     from safetensors.torch import load_file
     from transformers import LlamaForCausalLM
 
-    from host.plan import RunSettings
+    from host.run.settings import RunSettings
     from tests.conftest import run_pipeline
     from zl_mobile.checkpoint import CheckpointStore
 

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from host.cli import build_parser
-from host.coordinator import Coordinator, DeviceHandle
-from host.plan import RunSettings
-from host.run_config import RunConfig
+from host.cli.zl_host import build_parser
+from host.run.config import RunConfig
+from host.run.coordinator import Coordinator, DeviceHandle
+from host.run.settings import RunSettings
 
 DEFAULTS = json.loads((Path(__file__).parent / "vectors" / "stage_assign" / "stage_assign_defaults.json").read_text())
 

@@ -4,7 +4,7 @@ import itertools
 import numpy as np
 import pytest
 
-from host.plan import RunSettings
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 from zl_mobile.schedules import SCHEDULES, forwards_held, schedule
 

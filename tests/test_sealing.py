@@ -206,7 +206,7 @@ class OnPathProxy:
 
 @pytest.fixture(scope="module")
 def phone(tmp_path_factory):
-    from host.emulate import start_phones
+    from host.phones.emulate import start_phones
 
     (p,) = start_phones(1, tmp_path_factory.mktemp("seal"), prefix=f"seal{os.getpid()}-")
     yield p
@@ -371,8 +371,8 @@ def test_frames_forged_between_two_stages_are_refused_and_the_run_ends_as_untouc
     so the run ends with the untouched run's LoRA, bit for bit."""
     import numpy as np
 
-    from host.coordinator import Coordinator
-    from host.plan import RunSettings
+    from host.run.coordinator import Coordinator
+    from host.run.settings import RunSettings
     from tests.conftest import run_pipeline, small_micro_batches
 
     out = small_export[0]
@@ -417,8 +417,8 @@ def test_a_stage_assign_forged_between_host_and_phone_is_refused_and_the_run_end
     the untouched run's LoRA bit for bit, each window committed once."""
     import numpy as np
 
-    from host.emulated_phone import EmulatedPhone
-    from host.plan import RunSettings
+    from host.phones.emulated_phone import EmulatedPhone
+    from host.run.settings import RunSettings
     from tests.conftest import run_pipeline, small_micro_batches
 
     out = small_export[0]
@@ -510,8 +510,8 @@ def _float_run(data: bytes, run: int = 24) -> bool:
 
 
 def _captured_run(small_export, root: Path, unsealed: bool, monkeypatch):
-    from host.coordinator import Coordinator
-    from host.plan import RunSettings
+    from host.run.coordinator import Coordinator
+    from host.run.settings import RunSettings
     from tests.conftest import run_pipeline, small_micro_batches
 
     out, _, _, _ = small_export

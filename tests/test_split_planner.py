@@ -1,4 +1,4 @@
-"""The split planner (host/split_planner.py): exact against brute force, memory respected,
+"""The split planner (host/planning/split_planner.py): exact against brute force, memory respected,
 an infeasible set refused with how much is missing."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from host.split_planner import InfeasibleError, PhoneModel, evaluate_split, even_chunks, ideal_time, plan_split
+from host.planning.split_planner import InfeasibleError, PhoneModel, evaluate_split, even_chunks, ideal_time, plan_split
 
 MiB = 2**20
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from host.cli import main
+from host.cli.zl_host import main
 
 STEPS, WINDOW = 2, 2
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from host.plan import RunSettings
+from host.run.settings import RunSettings
 from tests.conftest import run_pipeline, small_micro_batches
 from zl_common.data import DataError, check_loss_positions
 from zl_mobile.accumulate import WindowGradients
@@ -173,7 +173,7 @@ def test_check_loss_positions_refuses_with_the_fix():
 
 
 def test_zl_host_run_refuses_data_longer_than_the_program_reads(small_export, tmp_path, capsys):
-    from host.cli import main
+    from host.cli.zl_host import main
 
     data = tmp_path / "long.jsonl"  # whole-text rows: every token is a target, > 8 per micro-batch
     words = "text : the market rose as stocks and shares traded higher topic : business"

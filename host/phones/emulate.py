@@ -1,5 +1,5 @@
 """Emulated phones, several at once: started on this machine (zl-phone or Kotlin phones), their
-links and CPU shares (one phone is host/emulated_phone.py)."""
+links and CPU shares (one phone is host/phones/emulated_phone.py)."""
 from __future__ import annotations
 
 import os
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .cli_error import CliError
+from ..cli.error import CliError
 from .emulated_phone import EmulatedPhone
 
 if TYPE_CHECKING:
@@ -65,8 +65,8 @@ def start_phones(n: int, root: Path, prefix: str = "emu", extra_args=None, per_p
                  runtimes: list[str] | None = None) -> list[EmulatedPhone]:
     """Start n phones; with 2+ cores each phone is pinned to its own core (round robin), or, with
     `cpu_shares`, phone i is held to cpu_shares[i] of one core (zl-phone --cpu-share) instead.
-    With `network` (an open host.netns.ShapedNetwork of n phones) phone i runs in its namespace.
-    `runtimes[i]` ("python" or "kotlin", host/kotlin_phone.py) says what phone i runs."""
+    With `network` (an open host.phones.netns.ShapedNetwork of n phones) phone i runs in its namespace.
+    `runtimes[i]` ("python" or "kotlin", host/phones/kotlin_phone.py) says what phone i runs."""
     phones = []
     cores = sorted(os.sched_getaffinity(0))
     try:
@@ -100,7 +100,7 @@ def run_on_emulated_phones(export_dir: Path, root: Path, settings, micro_batches
     Returns (result, the run's metrics records)."""
     import json
 
-    from .coordinator import Coordinator
+    from ..run.coordinator import Coordinator
 
     phones = start_phones(n_phones, Path(root) / "phones", prefix=prefix, extra_args=extra_args,
                           per_phone_args=per_phone_args, network=network, cpu_shares=cpu_shares)

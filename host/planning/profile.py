@@ -22,7 +22,7 @@ way; real phones do not share, and are done sooner. From the two stage runs:
 - the phone's memory budget from HELLO (memory_budget_bytes: an Android app's available memory, an
   emulated phone's --mem-limit), and the host -> phone rate of the calibration push.
 
-A profile is a JSON file per device; host.split_planner.PhoneModel is built from it."""
+A profile is a JSON file per device; host.planning.split_planner.PhoneModel is built from it."""
 from __future__ import annotations
 
 import json
@@ -158,9 +158,9 @@ def _calibration_stage(handle, n: int, export_dir: Path, run_root: Path, count: 
     micro-batches; its HELLO, its telemetry and the file pushes' times."""
     from exporter.manifest import load_manifest
 
+    from ..run.coordinator import Coordinator, RunError
+    from ..run.settings import RunSettings
     from .calibration_sink import CalibrationSink
-    from .coordinator import Coordinator, RunError
-    from .plan import RunSettings
 
     manifest = load_manifest(export_dir)
     # update windows of a few micro-batches, so the window's step (AdamW, checkpoint) is sampled

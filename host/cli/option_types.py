@@ -1,6 +1,6 @@
 """Parsers of option values (argparse `type=`): each refuses a bad value with a one-line reason,
 which argparse prints as `argument --x: <reason>`. Shared by the commands built from
-host/run_config.py's definitions."""
+host/run/config.py's definitions."""
 from __future__ import annotations
 
 import argparse

@@ -1,6 +1,6 @@
 """Kotlin phones: the app's core (kotlin_app/core: protocol, links, stage runtime, AdamW,
 checkpoints) on the JVM, running chunks through ExecuTorch's C++ runtime (kotlin_app/jni), started
-as real processes the way zl-phone is (host/emulate.py). What ships to phones, minus its Android
+as real processes the way zl-phone is (host/phones/emulate.py). What ships to phones, minus its Android
 layer, trains in the same pipelines as Python phones: `--runtime kotlin` or a mix per phone."""
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .cli_error import CliError
+from ..cli.error import CliError
 from .emulated_phone import EmulatedPhone, EmulatorError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 KOTLIN_APP = ROOT / "kotlin_app"
 RUNTIMES = ("python", "kotlin")
 # the JVM's own share of a phone's memory kept small, as on a phone: tensors move through
@@ -109,7 +109,7 @@ class KotlinPhone(EmulatedPhone):
 
     def start(self, timeout: float = 60.0) -> "KotlinPhone":
         # the token kept in the work dir, where zl-phone keeps its own and `--devices auto` reads it
-        # (host/devices.py load_tokens); the app keeps it in its storage and shows it, the JVM phone prints it
+        # (host/devices/discovery.py load_tokens); the app keeps it in its storage and shows it, the JVM phone prints it
         from zl_mobile.phone import load_or_create_token
 
         self.workdir.mkdir(parents=True, exist_ok=True)

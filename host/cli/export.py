@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from .cli_error import CliError
+from .error import CliError
 
 
 def add_parser(sub) -> None:
@@ -27,7 +27,7 @@ def resolve_run(run: Path) -> tuple[Path, Path, dict, Path]:
     from exporter.errors import ModelDirError
     from exporter.manifest import ManifestError, load_manifest
 
-    from .adapter import base_model_path
+    from ..outputs.adapter import base_model_path
 
     adapter = run / "adapter"
     if not (run / "run.json").is_file() or not (adapter / "adapter_config.json").is_file():
@@ -50,7 +50,7 @@ def resolve_run(run: Path) -> tuple[Path, Path, dict, Path]:
 def cmd_export(a) -> int:
     from rich.console import Console
 
-    from .adapter_check import AdapterError
+    from ..outputs.adapter_check import AdapterError
 
     say = Console(stderr=True, soft_wrap=True).print
     if not (a.gguf or a.merged):
@@ -62,7 +62,7 @@ def cmd_export(a) -> int:
     lora = manifest.get("lora")
     try:
         if a.gguf:
-            from .gguf_adapter import write_gguf_adapter
+            from ..outputs.gguf_adapter import write_gguf_adapter
 
             path = write_gguf_adapter(adapter, base, out / "adapter.gguf", lora, name=f"{run.name} LoRA")
             print(f"GGUF LoRA adapter: {path}")
@@ -77,7 +77,7 @@ def cmd_export(a) -> int:
                 print(f"  note: the phones trained on a {manifest['export']['base_weights']} base; llama.cpp applies the "
                       "adapter to the base file as it is")
         if a.merged:
-            from .merged_model import merged_model, write_merged_gguf, write_merged_hf
+            from ..outputs.merged_model import merged_model, write_merged_gguf, write_merged_hf
 
             say("merging the LoRA into the base model ...", markup=False)
             model = merged_model(adapter, base, lora)

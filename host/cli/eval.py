@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .cli_error import CliError
+from .error import CliError
 
 
 def run_eval(program: Path, adapter: Path, data: str | None, console: Console, *, generate: int = 32,
@@ -18,8 +18,8 @@ def run_eval(program: Path, adapter: Path, data: str | None, console: Console, *
     from exporter.errors import ModelDirError
     from exporter.manifest import ManifestError, load_manifest
 
-    from .adapter import base_model_path
-    from .evaluate import split_held_out
+    from ..evaluation.evaluate import split_held_out
+    from ..outputs.adapter import base_model_path
 
     try:
         manifest = load_manifest(program, check_files=False)
@@ -34,17 +34,17 @@ def run_eval(program: Path, adapter: Path, data: str | None, console: Console, *
     if base is None or not Path(base).exists():
         raise CliError(f"the base model {base} recorded in {program}/manifest.json is not on this machine")
     os.environ["HF_HUB_OFFLINE"] = "1"  # everything is local: a missing file is an error, not a download
-    from .adapter_check import AdapterError, base_weights_present, check_adapter
+    from ..outputs.adapter_check import AdapterError, base_weights_present, check_adapter
     try:
         base_weights_present(Path(base))
         check_adapter(adapter, Path(base), manifest.get("lora"))
     except AdapterError as e:
         raise CliError(str(e)) from None
-    from .run_data import export_tokenizer, prepare_data
+    from ..run.data import export_tokenizer, prepare_data
 
     _, held_out = split_held_out(prepare_data(program, manifest, data, training=False))
     base_weights = manifest["export"].get("base_weights", "fp32")  # exports before int8 have none
-    from .eval_progress import evaluate_both
+    from ..evaluation.progress import evaluate_both
     before, after = evaluate_both(base, adapter, held_out, base_weights, console)
     print(f"held-out answer tokens: {after['tokens']} (base weights {base_weights}, as trained)")
     print(f"base model:    NLL {before['nll']:.4f}  accuracy {before['accuracy']:.3f}")
@@ -60,7 +60,7 @@ def _generated(base, adapter, held_out, tok, n, show, base_weights, seed, max_ne
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     from rich.table import Table
 
-    from .generation import generate_both
+    from ..evaluation.generation import generate_both
 
     with Progress(TextColumn("eval: generating answers, base model and adapter"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), console=console, transient=True) as bar:

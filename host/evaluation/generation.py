@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from host.answers import answered_rows
+from host.evaluation.answers import answered_rows
 
 SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 0.7, 0.95  # --sample: a common chat setting
 

@@ -15,7 +15,7 @@ class DriftWatch:
     def __init__(self, plan: dict, replan: Callable[[dict], object] | None, margin: float = 0.15,
                  report: Callable[[dict], None] | None = None, skip_windows: int = 1):
         """`plan`: a plan file's contents (zl-host plan); `replan(scales)`: the plan for phone ->
-        slowdown factor (host.plan_cli.make_plan's plan), or None to skip that part."""
+        slowdown factor (host.cli.plan.make_plan's plan), or None to skip that part."""
         self.plan = plan
         self.replan = replan
         self.margin = margin
@@ -31,7 +31,7 @@ class DriftWatch:
         if kind != "telemetry" or data.get("kind") != "window" or data.get("window", 0) < self.skip:
             return
         n = data.get("micro_batches") or 1
-        if "seconds" in data and "wait_s" in data:  # busy time (wall less waits), as host.profile measures it
+        if "seconds" in data and "wait_s" in data:  # busy time (wall less waits), as host.planning.profile measures it
             per_mb = (data["seconds"] - data["wait_s"]) / n
         else:
             per_mb = (data.get("phase1_s", 0.0) + data.get("phase2_s", 0.0) + data.get("step_s", 0.0)) / n

@@ -1,6 +1,6 @@
 """zl-host profile and zl-host plan: measure each phone, then split the model so none waits.
 
-The commands only gather and show: host/profile.py measures, host/split_planner.py decides."""
+The commands only gather and show: host/planning/profile.py measures, host/planning/split_planner.py decides."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from .run_config import add_run_options
+from ..run.config import add_run_options
 
 out_console = Console(soft_wrap=True)
 if not out_console.is_terminal:  # a pipe or a log: wide enough that the tables keep one line a row
@@ -19,7 +19,7 @@ MiB = 2**20
 
 
 def _cli_error():
-    from .cli_error import CliError
+    from .error import CliError
     return CliError
 
 
@@ -38,9 +38,9 @@ def parse_list(text: str | None, n: int, what: str, flag: str) -> list[str | Non
 
 
 def emulated_phone_args(n: int, mem_limits: list[str | None], cpu_shares: list[float] | None = None) -> "callable":
-    """zl-phone arguments for phone i, as host.emulate.start_phones gives them (its CPU budget, else
+    """zl-phone arguments for phone i, as host.phones.emulate.start_phones gives them (its CPU budget, else
     its own core where there are two or more), plus its --mem-limit."""
-    from .emulate import budget_args
+    from ..phones.emulate import budget_args
 
     cores = sorted(os.sched_getaffinity(0))
 
@@ -85,8 +85,8 @@ def export_settings(a) -> tuple[str, dict]:
 
 # ---------------------------------------------------------------- profile
 def cmd_profile(a) -> int:
-    from .coordinator import RunError
-    from .profile import ProfileError, export_calibration, profile_devices, save_profile
+    from ..planning.profile import ProfileError, export_calibration, profile_devices, save_profile
+    from ..run.coordinator import RunError
 
     CliError = _cli_error()
     model, export = export_settings(a)
@@ -103,14 +103,14 @@ def cmd_profile(a) -> int:
                 raise CliError(f"cannot export the calibration programs: {e}") from None
             raise
         if a.devices.startswith("emulated:"):
-            from .emulate import start_phones
+            from ..phones.emulate import start_phones
             try:
                 n = int(a.devices.split(":", 1)[1])
             except ValueError:
                 raise CliError(f"--devices {a.devices!r}: expected emulated:N with N a number") from None
             limits = parse_list(a.mem_limit, n, "memory limit", "--mem-limit")
             check_mem_limits(limits)
-            from .emulate import cpu_shares
+            from ..phones.emulate import cpu_shares
             shares = cpu_shares(a.cpu_share, n)
             say(f"starting {n} emulated phones")
             phones = start_phones(n, out / "phones", extra_args=["--mdns", "none"],
@@ -137,8 +137,8 @@ def cmd_profile(a) -> int:
 
 
 def _real_devices(a):
-    from .adb_wiring import AdbLinks
-    from .devices import DeviceLookupError, find_devices, load_tokens, resolve
+    from ..devices.adb_wiring import AdbLinks
+    from ..devices.discovery import DeviceLookupError, find_devices, load_tokens, resolve
 
     CliError = _cli_error()
     links = AdbLinks(data_port=47475, staging_dir="/data/local/tmp/zerolock")
@@ -192,8 +192,8 @@ def plan_devices(spec: str, folder: Path) -> list[str] | None:
 def make_plan(model: str, export: dict, profiles: list[dict], window_size: int, schedule: str = "zerolock",
               link_mbit: float | None = None, scales: dict | None = None):
     """(plan, even split's prediction, phone models) for these profiles."""
-    from .profile import check_matches, frame_bytes, model_layers, phone_model
-    from .split_planner import evaluate_split, even_chunks, plan_split
+    from ..planning.profile import check_matches, frame_bytes, model_layers, phone_model
+    from ..planning.split_planner import evaluate_split, even_chunks, plan_split
 
     check_matches(profiles, export)
     L = model_layers(model)
@@ -205,8 +205,8 @@ def make_plan(model: str, export: dict, profiles: list[dict], window_size: int, 
 
 
 def cmd_plan(a) -> int:
-    from .profile import ProfileError, load_profiles
-    from .split_planner import InfeasibleError
+    from ..planning.profile import ProfileError, load_profiles
+    from ..planning.split_planner import InfeasibleError
 
     CliError = _cli_error()
     model, export = export_settings(a)
@@ -268,7 +268,7 @@ def _mib(n, digits: int = 0) -> str:
 
 
 def add_parsers(sub) -> None:
-    """zl-host profile and zl-host plan (called from host/cli.py's build_parser)."""
+    """zl-host profile and zl-host plan (called from host/cli/zl_host.py's build_parser)."""
     from exporter.config import BASE_WEIGHTS
 
     def export_flags(p):
@@ -289,7 +289,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--mem-limit", default=None, help="with emulated:N: each phone's memory limit, one for all or A,B,...")
     p.add_argument("--cpu-share", default=None, help="with emulated:N: each phone's share of one core, one for all or "
                                                      "F1,F2,... (zl-phone --cpu-share)")
-    add_run_options(p, ["tokens", "wait", "mdns"])  # as zl-host run's (host/run_config.py)
+    add_run_options(p, ["tokens", "wait", "mdns"])  # as zl-host run's (host/run/config.py)
     p.set_defaults(func=cmd_profile)
 
     q = sub.add_parser("plan", help="split the model over the profiled phones so the slowest stage is fastest")
@@ -333,8 +333,8 @@ def order_by_plan(handles: list, plan: dict) -> list:
 def drift_watch(plan: dict, margin: float, window_size: int, run_dir: Path, say):
     """A DriftWatch for the run, re-planning from the plan's profiles; reports go to the console
     and RUN_DIR/drift.jsonl."""
-    from .drift import DriftWatch, describe
-    from .profile import ProfileError, load_profiles
+    from ..planning.profile import ProfileError, load_profiles
+    from ..run.drift import DriftWatch, describe
 
     try:
         profiles = load_profiles(Path(plan["profiles"]), plan["devices"])

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .cli_error import CliError
-from .run_config import RunConfig, emulated_count
+from ..cli.error import CliError
+from .config import RunConfig, emulated_count
 
 console = Console(stderr=True, soft_wrap=True)
 
@@ -32,8 +32,8 @@ class Job:
     run_dir: Path
     manifest: dict
     train: list
-    settings: object                 # host.plan.RunSettings
-    links: object                    # host.emulate.EmulatedLinks
+    settings: object                 # host.run.settings.RunSettings
+    links: object                    # host.phones.emulate.EmulatedLinks
     saved: dict = field(default_factory=dict)  # the resumed run's run.json ({} for a new run)
     plan: dict | None = None
     plan_path: str | None = None
@@ -49,7 +49,7 @@ class Devices:
     handles: list
     phones: list = field(default_factory=list)  # emulated phones this run started or adopted
     network: object = None                       # their shaped network, if any
-    adb: object = None                           # host.adb_wiring.AdbLinks for phones on USB
+    adb: object = None                           # host.devices.adb_wiring.AdbLinks for phones on USB
     adb_events: list = field(default_factory=list)
 
     def close(self, coordinator=None) -> None:
@@ -88,10 +88,10 @@ def resolve(cfg: RunConfig) -> Job:
     """Program, data split, settings and plan, checked before any phone starts."""
     from exporter.manifest import ManifestError, load_manifest
 
-    from .emulate import EmulatedLinks
-    from .evaluate import split_held_out
-    from .plan import PlanError, RunSettings
-    from .run_data import prepare_data
+    from ..evaluation.evaluate import split_held_out
+    from ..phones.emulate import EmulatedLinks
+    from .data import prepare_data
+    from .settings import PlanError, RunSettings
 
     saved: dict = {}
     if cfg.resume:
@@ -110,7 +110,7 @@ def resolve(cfg: RunConfig) -> Job:
         if cfg.runtime is not None:
             if n_emulated is None:
                 raise CliError("--runtime picks what emulated phones run: use --devices emulated:N (a real phone runs the app)")
-            from .kotlin_phone import parse_runtimes
+            from ..phones.kotlin_phone import parse_runtimes
             parse_runtimes(cfg.runtime, n_emulated)
         run_dir = Path(cfg.out or f"runs/{time.strftime('%Y%m%d-%H%M%S')}")
         run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
@@ -126,7 +126,7 @@ def resolve(cfg: RunConfig) -> Job:
     job = Job(program, data, devices, held_out, run_id, run_dir, manifest, train, settings, links, saved)
     job.plan_path = saved.get("plan") if cfg.resume else cfg.plan  # a resumed run keeps its stage order
     if job.plan_path:
-        from .plan_cli import check_plan_export, read_plan
+        from ..cli.plan import check_plan_export, read_plan
         job.plan = check_plan_export(read_plan(Path(job.plan_path)), manifest, job.plan_path, program)
         if job.devices == "auto":
             job.devices = ",".join(job.plan["devices"])
@@ -151,9 +151,9 @@ def bring_up(cfg: RunConfig, job: Job) -> Devices:
 
 
 def _emulated(cfg: RunConfig, job: Job, n: int) -> Devices:
-    from .emulate import cpu_shares, phone_class, start_phones
-    from .kotlin_phone import parse_runtimes
-    from .netns import NetnsError
+    from ..phones.emulate import cpu_shares, phone_class, start_phones
+    from ..phones.kotlin_phone import parse_runtimes
+    from ..phones.netns import NetnsError
 
     if n < job.stages:
         raise CliError(f"{n} emulated phone(s) for {job.stages} chunks: use --devices emulated:{job.stages}")
@@ -173,7 +173,7 @@ def _emulated(cfg: RunConfig, job: Job, n: int) -> Devices:
             say(f"starting {n} emulated phones ({how})")
             per_phone = None
             if cfg.mem_limit:  # the phones' CPU budget or core, and their memory limit
-                from .plan_cli import check_mem_limits, emulated_phone_args, parse_list
+                from ..cli.plan import check_mem_limits, emulated_phone_args, parse_list
                 limits = parse_list(cfg.mem_limit, n, "memory limit", "--mem-limit")
                 check_mem_limits(limits)
                 per_phone = emulated_phone_args(n, limits, shares)
@@ -187,15 +187,15 @@ def _emulated(cfg: RunConfig, job: Job, n: int) -> Devices:
 
 
 def _real(cfg: RunConfig, job: Job) -> Devices:
-    from .adb_wiring import AdbLinks
-    from .devices import DeviceLookupError, load_tokens
-    from .devices import resolve as resolve_devices
+    from ..devices.adb_wiring import AdbLinks
+    from ..devices.discovery import DeviceLookupError, load_tokens
+    from ..devices.discovery import resolve as resolve_devices
 
     events: list = []  # the live view does not exist yet when the control ports are forwarded
     adb = AdbLinks(data_port=cfg.adb_data_port, staging_dir=cfg.adb_staging,
                    on_event=lambda kind, data: events[-1](kind, data) if events else None)
     try:
-        from .device_problems import min_chunk_bytes
+        from ..devices.problems import min_chunk_bytes
         handles = resolve_devices(job.devices, job.stages, load_tokens(cfg.tokens), cfg.wait, cfg.mdns, links=adb,
                                   min_bytes=min_chunk_bytes(job.program, job.manifest, job.settings.schedule))
     except DeviceLookupError as e:
@@ -226,7 +226,7 @@ def train(cfg: RunConfig, job: Job, devices: Devices):
 
     from .coordinator import Coordinator, RunError
     from .live import LiveView
-    from .plan import PlanError
+    from .settings import PlanError
 
     view = LiveView(job.stages, job.settings.micro_batches, job.manifest["export"]["micro_batch"])
     if devices.adb is not None:
@@ -244,7 +244,7 @@ def train(cfg: RunConfig, job: Job, devices: Devices):
         board = RunEvents(job.run_dir, job.manifest["export"]["micro_batch"])  # tensorboard --logdir runs, live
         listeners.append(board.on_event)
         if job.plan is not None:
-            from .plan_cli import drift_watch, order_by_plan
+            from ..cli.plan import drift_watch, order_by_plan
             watch = drift_watch(job.plan, cfg.drift_margin, job.settings.window_size, job.run_dir, say)
             listeners.append(watch.on_event)
             handles = order_by_plan(handles, job.plan)  # the plan's phones in its stage order
@@ -272,7 +272,7 @@ def write_outputs(job: Job, result: dict, watch=None) -> None:
     """adapter/ (PEFT), summary.json and report.md with its plots."""
     from exporter.errors import ExportError
 
-    from .adapter import base_model_path, write_peft_adapter
+    from ..outputs.adapter import base_model_path, write_peft_adapter
     from .report import write_report
 
     try:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from zl_mobile.mdns import LOOPBACK, browse
 
+from ..run.coordinator import DeviceHandle
 from .adb_wiring import APP_PORT  # noqa: F401  the app's control port (adb-forwarded for USB phones)
-from .coordinator import DeviceHandle
 
 PHONES_HOME = Path.home() / ".zerolock" / "phones"
 
@@ -96,7 +96,7 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
     """--devices auto | NAME,NAME,...: wait (bounded) for enough phones, with known tokens.
 
     Phones on mDNS are used at their endpoint; phones on adb (named by serial) through ``links``
-    (host.adb_wiring.AdbLinks), which forwards their control port; without it they are skipped.
+    (host.devices.adb_wiring.AdbLinks), which forwards their control port; without it they are skipped.
     `min_bytes`: auto leaves out phones advertising less memory (the smallest chunk's need)."""
     names = None if spec == "auto" else [n.strip() for n in spec.split(",") if n.strip()]
     deadline = time.time() + wait_s
@@ -151,7 +151,7 @@ def resolve(spec: str, need: int, tokens: dict[str, str], wait_s: float, interfa
                                             "prompt on the phone, then run again")
                 raise DeviceLookupError(f"unknown device(s) {', '.join(unknown)} after {wait_s:.0f} s (seen: {seen_names}); "
                                         "check the names with zl-host devices")
-            from .device_problems import problems  # each phone seen but not usable, and why: never a bare count
+            from .problems import problems  # each phone seen but not usable, and why: never a bare count
             why = problems(seen, tokens, alike, PHONES_HOME, min_bytes)
             looked = "; ".join(n for n in notes if not n.startswith("mDNS"))  # the last look's count is not all seen
             chosen = [r for r in chosen if all(r is not bad for bad, _ in why)]  # a busy one is not usable

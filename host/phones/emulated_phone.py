@@ -1,5 +1,5 @@
 """One emulated phone: a real zl-phone process on this machine, started, adopted and restarted by
-the host (host/kotlin_phone.py's Kotlin phone is one too; host/emulate.py starts several)."""
+the host (host/phones/kotlin_phone.py's Kotlin phone is one too; host/phones/emulate.py starts several)."""
 from __future__ import annotations
 
 import os
@@ -29,7 +29,7 @@ class EmulatedPhone:
     proc: subprocess.Popen | None = None
     log_path: Path | None = None
     adopted_pid: int | None = None  # a phone a previous host started, still running (resume)
-    net: "PhoneNet | None" = None  # its own network namespace (host/netns.py); None: loopback
+    net: "PhoneNet | None" = None  # its own network namespace (host/phones/netns.py); None: loopback
 
     @property
     def address(self) -> str:
@@ -39,7 +39,7 @@ class EmulatedPhone:
     def endpoint(self) -> str:
         return f"{self.address}:{self.port}"
 
-    runtime = "python"  # the phone's runtime (host/kotlin_phone.py: "kotlin")
+    runtime = "python"  # the phone's runtime (host/phones/kotlin_phone.py: "kotlin")
     advertises = True   # ready once it says it is advertised over mDNS (unless --mdns none)
 
     def command(self) -> list[str]:
@@ -167,7 +167,7 @@ class EmulatedPhone:
         return self.start().endpoint
 
     def handle(self):
-        from .coordinator import DeviceHandle
+        from ..run.coordinator import DeviceHandle
 
         return DeviceHandle(self.name, self.endpoint, self.token, _memory_bytes(), restart=self.restart,
                             alive=self.alive)

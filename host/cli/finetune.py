@@ -21,8 +21,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from .cli_error import CliError
-from .run_config import add_run_options
+from ..run.config import add_run_options
+from .error import CliError
 
 console = Console(stderr=True, soft_wrap=True)
 STEPS = 4
@@ -51,7 +51,7 @@ def add_parser(sub, add_generation_args) -> None:
     f.add_argument("--base-weights", default="fp32", help="as zl-export's: fp32, int8 or int4")
     f.add_argument("--backend", default="xnnpack", help="as zl-export's: xnnpack or portable")
     f.add_argument("--readout", default="auto", help="as zl-export's; a lens is calibrated on --data")
-    # zl-host run's definitions (host/run_config.py); --held-out is also what is evaluated on
+    # zl-host run's definitions (host/run/config.py); --held-out is also what is evaluated on
     add_run_options(f, ["steps", "epochs", "window", "lr", "held_out", "alpha"],
                     help={"held_out": "share of D kept out of training and evaluated on (default %(default)s)"})
     add_generation_args(f)
@@ -81,22 +81,22 @@ def cmd_finetune(a) -> int:
     except KeyboardInterrupt:  # not zl-host run's resume hint: there is no run yet
         raise CliError("interrupted during the export: nothing was cached; run the same zl-host finetune again") from None
     step(2, f"train on {a.devices}")
-    from .run_config import RunConfig
-    from .run_job import run
+    from ..run.config import RunConfig
+    from ..run.job import run
 
     run_dir = run(RunConfig(program=str(program), data=a.data, devices=a.devices, steps=a.steps, epochs=a.epochs,
                             window=a.window, lr=a.lr, alpha=a.alpha, held_out=a.held_out, out=a.out))
     step(3, "eval on the held-out share: base model against the adapter")
-    from .eval_command import run_eval
+    from .eval import run_eval
 
     result = run_eval(program, run_dir / "adapter", a.data, console, generate=a.generate, show=a.show,
                       seed=a.seed if a.sample else None, max_new_tokens=a.max_new_tokens)
     (run_dir / "eval.json").write_text(json.dumps(result, indent=2))
     _append_report(run_dir / "report.md", result)
     step(4, "adapters: PEFT and GGUF")
-    from .adapter_check import AdapterError
-    from .export_run import resolve_run
-    from .gguf_adapter import write_gguf_adapter
+    from ..outputs.adapter_check import AdapterError
+    from ..outputs.gguf_adapter import write_gguf_adapter
+    from .export import resolve_run
 
     adapter, _, manifest, base = resolve_run(run_dir)
     try:
@@ -188,7 +188,7 @@ def auto_seq_len(model: str, examples) -> int:
 
 
 def _phones(devices: str) -> int:
-    from .run_config import emulated_count
+    from ..run.config import emulated_count
 
     if devices.startswith("emulated:"):
         return emulated_count(devices)

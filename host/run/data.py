@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .cli_error import CliError
+from ..cli.error import CliError
 
 
 def prepare_data(export_dir: Path, manifest: dict, data: str | None, training: bool = True, warn=None):

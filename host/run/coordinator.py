@@ -19,7 +19,7 @@ from zl_mobile.links import OutboundLink
 from zl_mobile.protocol import Message, MsgType
 
 from .client import DeviceClient, DeviceError, Event, open_session
-from .plan import RunSettings, assign_by_memory
+from .settings import RunSettings, assign_by_memory
 
 log = logging.getLogger("host.coordinator")
 
@@ -86,10 +86,10 @@ class Coordinator:
         self.recoveries: list[dict] = []
         self.started = time.time()
         self.last_progress = self.started  # the last micro-batch or commit any stage reported
-        # adb phones (host.adb_wiring.AdbLinks): forwards, reverses, adb push, dumpsys sampling
+        # adb phones (host.devices.adb_wiring.AdbLinks): forwards, reverses, adb push, dumpsys sampling
         self.links = links
         self.sampler = None
-        # a host-side downstream for the last stage (host.calibration_sink: a calibration stage
+        # a host-side downstream for the last stage (host.planning.calibration_sink: a calibration stage
         # sends its hidden states as a stage with a next one does)
         self.sink = sink
 
@@ -127,8 +127,8 @@ class Coordinator:
             sha = self.files[rel].sha256 if rel in self.files else _sha(self.export_dir / rel)
             sent, via = None, "protocol"
             if st.device.serial is not None and self.links is not None:
-                from .adb import AdbCommandError
-                from .adb_wiring import AdbPushUnavailable
+                from ..devices.adb import AdbCommandError
+                from ..devices.adb_wiring import AdbPushUnavailable
                 try:
                     sent, via = self.links.push(st.device.serial, self.export_dir / rel, sha), "adb"
                 except AdbPushUnavailable as e:
@@ -144,8 +144,8 @@ class Coordinator:
         """Where ``up`` (None: the host's feed) connects to reach ``down``'s data port."""
         if self.links is None:
             return f"{down.client.address}:{down.data_port}"
-        from .adb import AdbCommandError
-        from .adb_wiring import WiringError
+        from ..devices.adb import AdbCommandError
+        from ..devices.adb_wiring import WiringError
         try:
             return self.links.address(up.device if up else None, down.device, down.client.address, down.data_port)
         except (WiringError, AdbCommandError) as e:
@@ -228,7 +228,7 @@ class Coordinator:
                                    source_total=self.settings.micro_batches)
         self.feeder.set_address(self._address(None, self.stages[0]))
         if self.links is not None:
-            from .adb_wiring import AdbSampler
+            from ..devices.adb_wiring import AdbSampler
             self.sampler = AdbSampler(self.links, {s.device.name: s.device.serial for s in self.stages
                                                    if s.device.serial}, self._sampled).start()
 

@@ -10,7 +10,7 @@ import torch
 
 def evaluate(model_dir: str, adapter_dir: Path | None, micro_batches: list[dict], base_weights: str = "fp32",
              progress=None) -> dict:
-    """`model_dir`: the base model, a HF directory or a GGUF file (host.adapter.base_model_path).
+    """`model_dir`: the base model, a HF directory or a GGUF file (host.outputs.adapter.base_model_path).
     `base_weights`: the export's (manifest "export"): an adapter trained on an int8 base is
     evaluated on the same int8 base. `progress(done, total)`, if given, after loading (done 0)
     and after each micro-batch."""

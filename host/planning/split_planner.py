@@ -6,7 +6,7 @@ assignment of those chunks to the phones (one chunk per phone), subject to each 
 budget. Dynamic programming over (layers covered, set of phones used): L * 2^P states, P * L
 moves each -- a few hundred thousand steps at 30 layers and 6 phones.
 
-Pure: no I/O, no processes. host/profile.py measures the PhoneModel numbers; host/cli.py prints
+Pure: no I/O, no processes. host/planning/profile.py measures the PhoneModel numbers; host/cli/zl_host.py prints
 and writes the plan."""
 from __future__ import annotations
 

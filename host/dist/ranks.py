@@ -5,7 +5,7 @@
 Rank k runs chunk k on the eager backend (zl_mobile/eager_program.py), on CPU or its CUDA device,
 from the same exported directory and data options as `zl-host run`; rank 0 writes the same run
 directory (PEFT adapter, metrics.jsonl, report with plots, run.json, summary.json) with the host's
-own code (host/run_data.prepare_data, host/adapter, host/report).
+own code (host/run/data.py prepare_data, host/outputs/adapter.py, host/run/report.py).
 
 Hidden states go rank to rank with torch.distributed point-to-point ops (Gloo, or NCCL with
 --wire device between CUDA ranks): the isend of h_k starts right after phase 1, before phase 2
@@ -14,7 +14,7 @@ preposted receive, Algorithm 2 line 13); at most `--inflight` sends are outstand
 0 reads the data itself; every rank reads it too for the labels and masks of its micro-batches
 (the phones get those along with h), so only h crosses a link. The actions come from
 zl_mobile/schedules.py (ZeroLock: F, L, STEP); `--schedule gpipe|1f1b|zerobubble` runs the
-back-propagation baselines through torch.distributed.pipelining instead (host/dist_pipelining.py).
+back-propagation baselines through torch.distributed.pipelining instead (host/dist/pipelining.py).
 
 Recovery under `torchrun --max-restarts N`: a killed rank makes torchrun restart every rank; each
 resumes from its own last committed checkpoint (zl_mobile/checkpoint.py), so ranks may resume at
@@ -48,8 +48,8 @@ from zl_mobile.schedules import schedule
 from zl_mobile.stage_core import FAILURE_POINTS, Faults, StageCore, present
 from zl_mobile.telemetry import read_pss_bytes, read_temperature_c, take_peak_rss_bytes
 
-from .plan import RunSettings
-from .run_config import add_run_options
+from ..run.settings import RunSettings
+from ..run.config import add_run_options
 
 SCHEDULES = ("zerolock", "gpipe", "1f1b", "zerobubble")
 STORE = None  # this attempt's rendezvous store (commit notices go through it)
@@ -126,10 +126,10 @@ def pick_device(spec: str) -> torch.device:
 def load_run_inputs(a):
     """(manifest (zl_common.manifest.Manifest), train micro-batches, windows): the data exactly as
     `zl-host run` prepares it."""
-    from .cli_error import CliError
-    from .evaluate import split_held_out
-    from .run_config import RunConfig
-    from .run_data import prepare_data
+    from ..cli.error import CliError
+    from ..evaluation.evaluate import split_held_out
+    from ..run.config import RunConfig
+    from ..run.data import prepare_data
 
     program = Path(a.program)
     try:
@@ -195,7 +195,7 @@ class DistStage:
         self.device_name = f"rank{self.k}@{socket.gethostname()}:{device}"
         (run_dir / "ranks").mkdir(parents=True, exist_ok=True)
         self.metrics = open(run_dir / "ranks" / f"rank_{self.k}.jsonl", "a")
-        from .tensorboard_log import RunEvents  # each rank its own stage's curves, live (tensorboard --logdir)
+        from ..run.tensorboard_log import RunEvents  # each rank its own stage's curves, live (tensorboard --logdir)
         self.board = RunEvents(run_dir, export["micro_batch"])
         take_peak_rss_bytes()
         if device.type == "cuda":
@@ -385,8 +385,8 @@ class DistStage:
 def write_run_dir(a, manifest: Manifest, windows: int, run_id: str, seconds: float, lora: dict, records: list,
                   extra: dict | None = None) -> Path:
     """The same run directory `zl-host run` writes, with the host's code."""
-    from .adapter import base_model_path, write_peft_adapter
-    from .report import write_report
+    from ..outputs.adapter import base_model_path, write_peft_adapter
+    from ..run.report import write_report
 
     run_dir = Path(a.out)
     program = Path(a.program)
@@ -508,7 +508,7 @@ def _run_one(a, manifest: Manifest, train, windows, device, ctrl, wire) -> None:
         stage.board.close()
         del stage
     else:
-        from .dist_pipelining import run_baseline
+        from .pipelining import run_baseline
 
         if a.window < dist.get_world_size() and a.schedule != "gpipe":
             raise DistError(f"--schedule {a.schedule} (torch.distributed.pipelining) needs --window >= the number "
@@ -523,7 +523,7 @@ def _run_one(a, manifest: Manifest, train, windows, device, ctrl, wire) -> None:
         first = min((r["t"] for r in records if r["type"] == "DIST_RESUME"), default=time.time())
         per_rank = {f"rank_{i}": part[2] for i, part in enumerate(got) if part[2]}
         if a.schedule != "zerolock":  # torch's schedules log windows only, at the end: rank 0 writes their events
-            from .tensorboard_log import RunEvents
+            from ..run.tensorboard_log import RunEvents
             board = RunEvents(Path(a.out), manifest.export["micro_batch"])
             for r in sorted(records, key=lambda r: r["t"]):
                 board.on_event(r["type"].lower(), r)
@@ -553,6 +553,3 @@ def main(argv=None) -> int:
     sys.stderr.flush()
     os._exit(rc)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,19 +1,19 @@
 """What `zl-host run` is asked to do, as one object: built from the command line (`from_args`) or
 in code (benches, tests) with the same names and defaults, and checked before anything starts.
-The run itself (host/run_job.py) takes only this object, as peft's models take their configs.
+The run itself (host/run/job.py) takes only this object, as peft's models take their configs.
 
 Each field is the one definition of its option: default, value parser and help text; the parser
 of `zl-host run` is made from them (`add_run_options`), and `zl-host finetune` takes the ones it
 shares. The training settings the coordinator also needs (steps, window, LR, ...) take their
-defaults from host/plan.py's RunSettings, so the command line and code agree."""
+defaults from host/run/settings.py's RunSettings, so the command line and code agree."""
 from __future__ import annotations
 
 import argparse
 from dataclasses import MISSING, dataclass, field, fields
 
-from .cli_error import CliError
-from .option_types import alphas, fraction, lrs, non_negative, positive
-from .plan import RECOVERIES, RunSettings
+from ..cli.error import CliError
+from ..cli.option_types import alphas, fraction, lrs, non_negative, positive
+from .settings import RECOVERIES, RunSettings
 
 HELD_OUT = 0.2  # the default share of the data kept out of training (the last micro-batches)
 

@@ -1,7 +1,7 @@
 """How a run reaches phones that are only on USB (adb), and how their stages reach each other.
 
 The decisions are pure functions (:func:`peer_of`, :func:`plan_route`); :class:`AdbLinks`
-carries them out with the thin wrappers in :mod:`host.adb` and undoes them at the end of a run.
+carries them out with the thin wrappers in :mod:`host.devices.adb` and undoes them at the end of a run.
 
 - control: ``adb forward tcp:L tcp:APP_PORT`` gives the host 127.0.0.1:L for the app's port;
 - data port of a USB-only stage: ``adb forward tcp:H tcp:D`` (D: the stage's inbound link port,

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from pathlib import Path
 
@@ -11,13 +10,13 @@ from rich.console import Console
 console = Console(stderr=True, soft_wrap=True)
 
 
-from .cli_error import CliError  # noqa: E402,F401  (one class, wherever a command raises it)
-from .run_config import add_run_options  # noqa: E402
+from ..run.config import add_run_options  # noqa: E402
+from .error import CliError  # noqa: E402,F401  (one class, wherever a command raises it)
 
 
 # ---------------------------------------------------------------- devices / emulate
 def cmd_devices(a) -> int:
-    from .devices import as_json, find_devices
+    from ..devices.discovery import as_json, find_devices
 
     found, notes = find_devices(timeout=a.timeout, interfaces=a.mdns)
     if a.json:
@@ -43,9 +42,9 @@ def cmd_devices(a) -> int:
 
 
 def cmd_emulate(a) -> int:
-    from .devices import PHONES_HOME
-    from .emulate import cpu_shares, start_phones
-    from .kotlin_phone import advertise, parse_runtimes
+    from ..devices.discovery import PHONES_HOME
+    from ..phones.emulate import cpu_shares, start_phones
+    from ..phones.kotlin_phone import advertise, parse_runtimes
 
     shares = cpu_shares(a.cpu_share, a.n)
     phones = start_phones(a.n, PHONES_HOME, prefix=a.prefix, cpu_shares=shares,
@@ -72,8 +71,8 @@ def cmd_emulate(a) -> int:
 
 # ---------------------------------------------------------------- run
 def cmd_run(a) -> int:
-    from .run_config import RunConfig
-    from .run_job import run
+    from ..run.config import RunConfig
+    from ..run.job import run
 
     run(RunConfig.from_args(a))
     return 0
@@ -81,12 +80,12 @@ def cmd_run(a) -> int:
 
 # ---------------------------------------------------------------- eval
 def cmd_eval(a) -> int:
-    from .eval_command import run_eval
+    from .eval import run_eval
 
     adapter = Path(a.adapter)
     result = run_eval(Path(a.program), adapter, a.data, console, generate=a.generate, show=a.show,
                       seed=a.seed if a.sample else None, max_new_tokens=a.max_new_tokens)
-    from .tensorboard_log import eval_run_dir, write_eval
+    from ..run.tensorboard_log import eval_run_dir, write_eval
     if (run_dir := eval_run_dir(adapter)) is not None:  # next to the run's training curves in TensorBoard
         write_eval(run_dir, result["base"], result["adapter"], _trained_micro_batches(run_dir))
     return 0
@@ -135,11 +134,11 @@ def build_parser():
                         "its own (needs root and the cgroup cpu controller)")
     e.set_defaults(func=cmd_emulate)
     r = sub.add_parser("run", help="train: ZeroLock over the phones")
-    add_run_options(r)  # host/run_config.py: each option's one definition
+    add_run_options(r)  # host/run/config.py: each option's one definition
     r.set_defaults(func=cmd_run)
-    from .plan_cli import add_parsers
+    from .plan import add_parsers
     add_parsers(sub)
-    from .export_run import add_parser as add_export_parser
+    from .export import add_parser as add_export_parser
     add_export_parser(sub)
     from .finetune import add_parser as add_finetune_parser
     add_finetune_parser(sub, add_generation_args)
@@ -185,6 +184,3 @@ def main(argv=None) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

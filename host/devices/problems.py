@@ -1,5 +1,5 @@
 """Why phones that `--devices auto` found were not used: one line per phone, naming it, the reason
-(no pairing token, busy, wrong protocol, not enough memory, ...) and what to do. host/devices.py's
+(no pairing token, busy, wrong protocol, not enough memory, ...) and what to do. host/devices/discovery.py's
 resolve raises this instead of a bare count, so a phone that is seen is never reported as missing."""
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 def min_chunk_bytes(program: Path, manifest: dict, schedule: str = "zerolock") -> int:
     """The least memory any chunk needs (the frozen weights + saved activations of the program the
-    schedule runs, as host.plan.assign_by_memory weighs them): a phone advertising less can run none."""
+    schedule runs, as host.run.settings.assign_by_memory weighs them): a phone advertising less can run none."""
     from zl_common.manifest import Manifest, ManifestError
 
     try:
@@ -52,7 +52,7 @@ def _mib(n: int) -> str:
 
 def problems(seen: list, tokens: dict[str, str], alike: set[str], phones_home: Path, min_bytes: int = 0,
              probe=is_busy) -> list[tuple[object, str]]:
-    """(device, line) for each device in `seen` (host.devices.Reachable) that auto could not use, the
+    """(device, line) for each device in `seen` (host.devices.discovery.Reachable) that auto could not use, the
     line saying why and what to do (device None: the namesakes' one line); none for a usable one.
     `phones_home`: where emulated phones keep their tokens.
     `probe(endpoint, token)` says whether a phone is busy (asked only of phones otherwise usable)."""

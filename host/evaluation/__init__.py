@@ -1,0 +1,1 @@
+"""zl-host eval's scoring: held-out loss and accuracy, generated answers, and their progress."""

@@ -1,0 +1,1 @@
+"""What a run hands users: its adapter (PEFT, GGUF) checked against its base model, and merged models."""

@@ -1,0 +1,1 @@
+"""Phones emulated on this machine: zl-phone and Kotlin phones started as processes, and their network."""
