@@ -168,7 +168,7 @@ class CheckpointStore:
 def restore_training_state(init_path: Path, lora_names, store: "CheckpointStore", adamw_cfg):
     """A stage's LoRA (from its export's initialisation), its AdamW, and the last committed window
     (-1: none), restored from `store`'s checkpoint where there is one: (lora, optimizer, committed,
-    checkpoint or None). Phones (stage.py) and torch.distributed ranks (dist.py) start the same way."""
+    checkpoint or None). Phones (stage.py) and torch.distributed ranks (host/dist/ranks.py) start the same way."""
     from .adamw import AdamW
 
     init = load_file(str(init_path))

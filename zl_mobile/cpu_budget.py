@@ -8,7 +8,7 @@ and then stopped for a coarse slice.
 
 The cgroup goes when the phone does: on a normal exit and on SIGTERM / Ctrl-C the phone moves itself
 back to the cgroup it came from and removes its own (`CpuBudget.close`); a phone killed outright
-(SIGKILL) cannot, so whoever started it calls `release(pid)` after wait() (host/emulate.py does),
+(SIGKILL) cannot, so whoever started it calls `release(pid)` after wait() (host/phones/emulate.py does),
 and every budgeted start also removes the empty cgroups of phones that are gone (`sweep`).
 
 Needs root (or a delegated, writable cgroup tree) and a mounted cpu controller; `unavailable()`

@@ -8,7 +8,7 @@ after its last committed window, so no window is lost or applied twice.
 
 This module is the phone's transport (TCP links, the host session, replay buffer); the training
 itself (restore, accumulate, step, commit, window statistics, faults) is stage_core.StageCore,
-which host/dist.py's ranks run too."""
+which host/dist/ranks.py's ranks run too."""
 from __future__ import annotations
 
 import contextlib
@@ -63,7 +63,7 @@ class StageConfig:
     replay_horizon: int = 16
     schedule: str = "zerolock"
     listen_port: int = 0  # 0: any port (the ACK says which)
-    lr: float = 2e-3  # zl-host run's default (host/plan.py RunSettings)
+    lr: float = 2e-3  # zl-host run's default (host/run/settings.py RunSettings)
     weight_decay: float = 0.0
     alpha: float | None = None  # None: the export's default
     keep_checkpoints: int = 2  # this device's own count; the Kotlin core keeps 1

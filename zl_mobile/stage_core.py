@@ -4,7 +4,7 @@ Restore (the export's LoRA init, or the last committed checkpoint), phase 1, pha
 window gradient (accumulate.py's WindowGradients: each micro-batch weighted by its valid
 positions), the AdamW step, the atomic commit, the window's statistics and their telemetry
 records, and the fault-injection points. Its transports only move tensors: zl_mobile.Stage (a
-phone's TCP links) and host/dist.py's ranks (torch.distributed p2p). As torch.distributed.pipelining's
+phone's TCP links) and host/dist/ranks.py's ranks (torch.distributed p2p). As torch.distributed.pipelining's
 one PipelineStage serves every schedule, one core serves every transport, so they cannot drift
 apart (the ranks once averaged micro-batch means where the phones weight by positions).
 

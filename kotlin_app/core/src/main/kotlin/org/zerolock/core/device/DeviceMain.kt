@@ -27,7 +27,7 @@ import kotlin.system.exitProcess
  * (600M, 1.5G: zl-phone's sizes) ends the process with exit 137 once its resident memory passes
  * SIZE, as a phone's low-memory killer would, and is the budget HELLO reports (device/MemoryLimit.kt).
  * `--cpu-share F` only says, in HELLO's `cpu_share`, what the launcher that started this process
- * (zl_mobile.cpu_budget, host/kotlin_phone.py) holds it to; it limits nothing itself.
+ * (zl_mobile.cpu_budget, host/phones/kotlin_phone.py) holds it to; it limits nothing itself.
  * `--rate-mbit F` paces what the stage links send to F Mbit/s (one token bucket for all, 64 KiB
  * pieces) and `--link-delay-ms F` has each frame arriving on them seen F ms later, as zl-phone's.
  *
