@@ -43,20 +43,28 @@ def _children_cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def export(variant: str, a, out: Path) -> dict:
-    env = dict(os.environ, ZL_LOWERING_CACHE=VARIANTS[variant])
-    cmd = [sys.executable, "-m", "exporter.cli", "--model", a.model, "--chunks", a.chunks, "--out", str(out),
-           "--backend", "xnnpack", "--seq-len", str(a.seq_len), "--jobs", "1" if variant == "before" else "auto"]
+def timed_export(entry: list[str], a, out: Path, extra: list[str], env=None, what: str = "") -> dict:
+    """zl-export (`entry`: ["-m", "exporter.cli"], or ["-c", a patched copy]) of a.model in a.chunks at
+    a.seq_len (a.loss_positions), XNNPACK, with `extra` arguments, in a fresh process: its wall and CPU
+    seconds (its children's, so other jobs on a shared machine count less), each chunk's
+    export_seconds and program size."""
+    cmd = [sys.executable, *entry, "--model", a.model, "--chunks", a.chunks, "--out", str(out),
+           "--backend", "xnnpack", "--seq-len", str(a.seq_len), *extra]
     if a.loss_positions:
         cmd += ["--loss-positions", str(a.loss_positions)]
     t0, c0 = time.perf_counter(), _children_cpu_s()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
     wall, cpu = time.perf_counter() - t0, _children_cpu_s() - c0
     if r.returncode != 0:
-        raise SystemExit(f"export ({variant}) failed:\n{r.stderr[-3000:]}")
+        raise SystemExit(f"export ({what}) failed:\n{r.stderr[-3000:]}")
     m = json.loads((out / "manifest.json").read_text())
     return {"wall_s": wall, "cpu_s": cpu, "chunk_s": [c["export_seconds"] for c in m["chunks"]],
             "pte_bytes": [(out / c["program"]).stat().st_size for c in m["chunks"]]}
+
+
+def export(variant: str, a, out: Path) -> dict:
+    return timed_export(["-m", "exporter.cli"], a, out, ["--jobs", "1" if variant == "before" else "auto"],
+                        env=dict(os.environ, ZL_LOWERING_CACHE=VARIANTS[variant]), what=variant)
 
 
 STEP = r"""

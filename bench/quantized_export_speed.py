@@ -14,16 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import REPO, machine, median, now_iso  # noqa: E402
-from export_speed import _children_cpu_s  # noqa: E402
+from export_speed import timed_export  # noqa: E402
 
 # "BASE:torch-sort": the export as it was before exporter/partition_sort.py sorted in place: torch's
 # legalize_graph, a copy of every node after each partition (the code still regenerated once per pass)
@@ -64,19 +61,8 @@ sys.exit(main())
 def export(variant: str, a, out: Path) -> dict:
     base, _, how = variant.partition(":")
     entry = ["-c", TORCH_SORT] if how == "torch-sort" else ["-m", "exporter.cli"]
-    cmd = [sys.executable, *entry, "--model", a.model, "--chunks", a.chunks, "--out", str(out),
-           "--backend", "xnnpack", "--seq-len", str(a.seq_len), "--base-weights", base]
-    if a.loss_positions:
-        cmd += ["--loss-positions", str(a.loss_positions)]
     shutil.rmtree(out, ignore_errors=True)
-    t0, c0 = time.perf_counter(), _children_cpu_s()
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=dict(os.environ))
-    wall, cpu = time.perf_counter() - t0, _children_cpu_s() - c0
-    if r.returncode != 0:
-        raise SystemExit(f"export ({variant}) failed:\n{r.stderr[-3000:]}")
-    m = json.loads((out / "manifest.json").read_text())
-    return {"wall_s": wall, "cpu_s": cpu, "chunk_s": [c["export_seconds"] for c in m["chunks"]],
-            "pte_bytes": [(out / c["program"]).stat().st_size for c in m["chunks"]]}
+    return timed_export(entry, a, out, ["--base-weights", base], what=variant)
 
 
 def main(argv=None) -> int:
