@@ -25,33 +25,21 @@ from export_speed import timed_export  # noqa: E402
 # "BASE:torch-sort": the export as it was before exporter/partition_sort.py sorted in place: torch's
 # legalize_graph, a copy of every node after each partition (the code still regenerated once per pass)
 TORCH_SORT = """
-import contextlib, sys
-from exporter import lower
+import functools, sys
+from exporter import lower, partition_sort
 from executorch.exir import lowered_backend_module as lbm
 
-@contextlib.contextmanager
-def copying_sort():
-    original, stale = lbm.legalize_graph, {}
+torch_sort = lbm.legalize_graph
 
-    class CodeFree:
-        def __init__(self, gm):
-            self.graph = gm.graph
+class CodeFree:  # the graph without its module: the code is regenerated once per pass, not per sort
+    def __init__(self, gm):
+        self.graph = gm.graph
 
-    def legalize_graph(gm):
-        g = original(CodeFree(gm)).graph
-        gm._graph, g.owning_module = g, gm
-        stale[id(gm)] = gm
-        return gm
+def copying_sort(gm):
+    g = torch_sort(CodeFree(gm)).graph
+    gm._graph, g.owning_module = g, gm
 
-    lbm.legalize_graph = legalize_graph
-    try:
-        yield
-    finally:
-        lbm.legalize_graph = original
-        for gm in stale.values():
-            gm.recompile()
-
-lower.sort_partitions_once = copying_sort
+lower.sort_partitions_once = functools.partial(partition_sort.sort_partitions_once, sort=copying_sort)
 from exporter.cli import main
 sys.argv[0] = "zl-export"
 sys.exit(main())

@@ -19,7 +19,9 @@ import os
 
 
 @contextlib.contextmanager
-def sort_partitions_once():
+def sort_partitions_once(sort=None):
+    """`sort(gm)`: how each partition's graph module is re-sorted (default: sort_in_place on its graph;
+    bench/quantized_export_speed.py passes torch's copying sort as its "before")."""
     if os.environ.get("ZL_LOWERING_CACHE") == "off":  # bench/export_speed.py's "before"
         yield
         return
@@ -30,7 +32,10 @@ def sort_partitions_once():
     stale: dict[int, torch.fx.GraphModule] = {}
 
     def legalize_graph(gm):
-        sort_in_place(gm.graph)
+        if sort is None:
+            sort_in_place(gm.graph)
+        else:
+            sort(gm)
         stale[id(gm)] = gm
         return gm
 

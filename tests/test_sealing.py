@@ -369,19 +369,8 @@ def test_frames_forged_between_two_stages_are_refused_and_the_run_ends_as_untouc
     replays, then reorders its second sealed frame: each time stage 1 answers with one ERROR and
     closes, acting on nothing in it; stage 0 reconnects (5.4.1) and replays from where stage 1 stands,
     so the run ends with the untouched run's LoRA, bit for bit."""
-    import numpy as np
-
     from host.run.coordinator import Coordinator
-    from host.run.settings import RunSettings
-    from tests.conftest import run_pipeline, small_micro_batches
 
-    out = small_export[0]
-    mbs = small_micro_batches(out, n_examples=4)
-
-    def settings():
-        return RunSettings(windows=4, window_size=2, lr=2e-2, inflight_depth=2)
-
-    base, base_records = run_pipeline(out, tmp_path / "untouched", settings(), mbs)
     proxies: list[OnPathProxy] = []
     address = Coordinator._address
 
@@ -393,20 +382,15 @@ def test_frames_forged_between_two_stages_are_refused_and_the_run_ends_as_untouc
         proxies.append(OnPathProxy((host, int(port)), ATTACKS, at=3))  # 2: the first sealed frame
         return f"127.0.0.1:{proxies[-1].port}"
 
-    monkeypatch.setattr(Coordinator, "_address", through_the_attacker)
-    result, records = run_pipeline(out, tmp_path / "attacked", settings(), mbs)
+    untouched, attacked = _untouched_then_attacked(
+        small_export[0], tmp_path, 4, lambda: monkeypatch.setattr(Coordinator, "_address", through_the_attacker))
     [proxy] = proxies
     assert proxy.connections > len(ATTACKS)  # stage 0 came back after each attack ended a link
     for action, sent in zip(ATTACKS, proxy.from_phone_by_connection):
         # what stage 1 sent on the attacked connection: one ERROR, its last frame, sealed in its own direction
         assert sent[-1][5] == MsgType.ERROR and sent[-1][6] == 0x01, action
         assert [f[5] for f in sent].count(MsgType.ERROR) == 1, action
-    assert all(np.array_equal(result["lora"][n], base["lora"][n]) for n in base["lora"])
-
-    def commits(rs):
-        return sorted((r["stage"], r["window"]) for r in rs if r["type"] == "CHECKPOINT_COMMITTED")
-
-    assert commits(records) == commits(base_records)  # each window once: nothing of the forged frame
+    _assert_ends_as_untouched(untouched, attacked)  # each window once: nothing of the forged frame
 
 
 def test_a_stage_assign_forged_between_host_and_phone_is_refused_and_the_run_ends_as_untouched(
@@ -415,19 +399,8 @@ def test_a_stage_assign_forged_between_host_and_phone_is_refused_and_the_run_end
     would steer the phone): the phone answers one sealed ERROR and closes, having applied nothing; the
     host reconnects to the live phone as after a dropped session, assigns again, and the run ends with
     the untouched run's LoRA bit for bit, each window committed once."""
-    import numpy as np
-
     from host.phones.emulated_phone import EmulatedPhone
-    from host.run.settings import RunSettings
-    from tests.conftest import run_pipeline, small_micro_batches
 
-    out = small_export[0]
-    mbs = small_micro_batches(out, n_examples=4)
-
-    def settings():
-        return RunSettings(windows=2, window_size=2, lr=2e-2, inflight_depth=2)
-
-    base, base_records = run_pipeline(out, tmp_path / "untouched", settings(), mbs)
     proxies: list[OnPathProxy] = []
     handle = EmulatedPhone.handle
 
@@ -439,14 +412,37 @@ def test_a_stage_assign_forged_between_host_and_phone_is_refused_and_the_run_end
             h.endpoint = f"127.0.0.1:{proxies[-1].port}"
         return h
 
-    monkeypatch.setattr(EmulatedPhone, "handle", through_the_attacker)
-    result, records = run_pipeline(out, tmp_path / "attacked", settings(), mbs)
+    untouched, attacked = _untouched_then_attacked(
+        small_export[0], tmp_path, 2, lambda: monkeypatch.setattr(EmulatedPhone, "handle", through_the_attacker))
     proxy = proxies[0]
     assert proxy.connections >= 2  # the host came back after the forged STAGE_ASSIGN ended the session
     sent = proxy.from_phone
     assert sent[-1][5] == MsgType.ERROR and sent[-1][6] == 0x01
     assert [f[5] for f in sent].count(MsgType.ERROR) == 1
     assert MsgType.ACK not in [f[5] for f in sent[2:]]  # nothing of the forged assignment was taken
+    _assert_ends_as_untouched(untouched, attacked)
+
+
+def _untouched_then_attacked(out, tmp_path, windows: int, place_attacker):
+    """The small export's run twice, ((result, records) untouched, the same after `place_attacker()`)."""
+    from host.run.settings import RunSettings
+    from tests.conftest import run_pipeline, small_micro_batches
+
+    mbs = small_micro_batches(out, n_examples=4)
+
+    def settings():
+        return RunSettings(windows=windows, window_size=2, lr=2e-2, inflight_depth=2)
+
+    untouched = run_pipeline(out, tmp_path / "untouched", settings(), mbs)
+    place_attacker()
+    return untouched, run_pipeline(out, tmp_path / "attacked", settings(), mbs)
+
+
+def _assert_ends_as_untouched(untouched, attacked) -> None:
+    """The attacked run's LoRA is the untouched one's bit for bit, and each window was committed once."""
+    import numpy as np
+
+    (base, base_records), (result, records) = untouched, attacked
     assert all(np.array_equal(result["lora"][n], base["lora"][n]) for n in base["lora"])
 
     def commits(rs):
