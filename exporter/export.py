@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from zl_common.hashing import sha256_file
 
-from . import __version__
+from . import __version__, readout_lens
 from .base_weights import quantize_base, stored_formats
 from .chunk_jobs import default_jobs, run_chunk_jobs
 from .chunk_model import (
@@ -46,12 +46,12 @@ from .lowering_cache import PreprocessCache
 from .manifest import FORMAT, FORMAT_VERSION, MANIFEST, MODES, file_entry, ptd_contents, tensor_desc, write_manifest
 from .model_source import (
     load_base_model,
-    load_model_dir,
     resolve_model,
     source_num_layers,
     weights_sha256,
     write_tiny_model_dir,
 )
+from .streamed_model import dir_config, read_model_dir
 from .training_metadata import training_constant_methods
 from .two_phase import split_at_marker
 
@@ -170,7 +170,6 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         if model is None and source == "tiny":
             say("building the tiny 22-layer Llama")
             model_dir = write_tiny_model_dir(tmp / "model")
-            model = load_model_dir(model_dir)
             model_ref = {"source": "tiny", "path": "model"}
         elif model is None and source in ("gguf", "smollm2"):
             say(f"loading {path} (GGUF, dequantized to fp32)")
@@ -179,13 +178,12 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
             model_ref = {"source": source, "path": str(path)}
         elif model is None:
             model_dir = path
-            say(f"loading {model_dir}")
-            model = load_model_dir(model_dir)
             model_ref = {"source": "hf_dir", "path": str(model_dir)}
         else:
             model_dir = None
             model_ref = {"source": "in-memory", "path": None}
-        hf_cfg = model.config
+        # a model directory is read further down, one layer at a time (streamed_model)
+        hf_cfg = model.config if model is not None else dir_config(model_dir)
         ranges = parse_chunk_spec(chunks_spec, hf_cfg.num_hidden_layers)
         model_ref["weights_sha256"] = (weights_sha256(model_dir) if model_dir else
                                        sha256_file(gguf_file) if gguf_file else None)
@@ -206,11 +204,22 @@ def export_model(model_arg: str, chunks_spec: str, out: Path, cfg: ExportConfig,
         depth = tail_depth(cfg.readout, hf_cfg.num_hidden_layers)
         lens_layers = (readout_lens_layers(ranges, depth, hf_cfg.num_hidden_layers)
                        if cfg.readout != "static" else [])
-        if lens_layers:  # lens, or tail:D with tails ending below the top
-            lenses, lens_info = _readout_lenses(model, lens_layers, cfg, tmp, calibration, lenses, say)
-        else:
-            lenses = None
-        quantize_base(model, cfg.base_weights, cfg.decode_block_weights)
+        # lens, or tail:D with tails ending below the top: fitted on the fp32 model (as it is read)
+        batches = _calibration_batches(tmp / "tokenizer", calibration, cfg) if lens_layers and lenses is None else None
+        fit_after = lens_layers if batches else []
+        if fit_after:
+            say(f"readout lens: fitting {len(fit_after)} lenses on {calibration or 'the synthetic set'}")
+        fitted, positions = {}, 0
+        if model is None:
+            say(f"reading {model_dir} one layer at a time" +
+                (f", its frozen weights stored as {cfg.base_weights}" if cfg.base_weights != "fp32" else ""))
+            model, fitted, positions = read_model_dir(model_dir, cfg.base_weights, cfg.decode_block_weights,
+                                                      fit_after, batches, _layer_progress(say))
+        elif fit_after:
+            fitted, positions = readout_lens.fit_model_lenses(model, batches, fit_after, progress=_layer_progress(say))
+        lenses, lens_info = (_readout_lenses(lens_layers, lenses, fitted, positions, calibration, tmp)
+                             if lens_layers else (None, None))
+        quantize_base(model, cfg.base_weights, cfg.decode_block_weights)  # a directory's is stored as read
         if cfg.base_weights != "fp32":
             say(f"frozen base weights stored as {cfg.base_weights}: {stored_formats(model)}")
         peft_model = add_lora(model, cfg)
@@ -416,26 +425,16 @@ def _write_eager_weights(k: int, base, first: int, last: int, tmp: Path, lens: d
 CALIBRATION_EXAMPLES = 256  # enough for the lens's d x d solve (SmolLM2: ~5,500 positions, ~20 s)
 
 
-def _readout_lenses(model, after, cfg: ExportConfig, tmp: Path, calibration, lenses, say):
-    """Fit (or take) the lenses after the layers `after` (lens: every chunk boundary but the
-    model's last; tail:D: where tails end below the top), write them to readout_lens.safetensors;
-    returns (lenses, the manifest's record of them)."""
-    from . import readout_lens
-
+def _readout_lenses(after, given, fitted, positions, calibration, tmp: Path):
+    """The lenses after the layers `after` (lens: every chunk boundary but the model's last;
+    tail:D: where tails end below the top), `given` or `fitted`, written to
+    readout_lens.safetensors; returns (lenses, the manifest's record of them)."""
     record = {"file": readout_lens.FILE, "after_layers": after}
-    if lenses is None:
-        batches = _calibration_batches(tmp / "tokenizer", calibration, cfg)
-        say(f"readout lens: fitting {len(after)} lenses on {calibration or 'the synthetic set'}")
-        t0 = time.time()
-
-        def progress(done, total):  # a forward of the whole model per batch: tens of seconds in all
-            if done == total or done % max(1, total // 4) == 0:
-                say(f"readout lens: {done}/{total} calibration batches ({time.time() - t0:.0f} s)")
-
-        lenses, positions = readout_lens.fit_model_lenses(model, batches, after, progress=progress)
-        record.update(calibration=calibration or "synthetic", positions=positions,
-                      ridge=readout_lens.DEFAULT_RIDGE)
+    if given is None:
+        lenses = fitted
+        record.update(calibration=calibration or "synthetic", positions=positions, ridge=readout_lens.DEFAULT_RIDGE)
     else:
+        lenses = given
         record["calibration"] = "given"
     missing = [i for i in after if i not in lenses]
     if missing:
@@ -443,6 +442,16 @@ def _readout_lenses(model, after, cfg: ExportConfig, tmp: Path, calibration, len
                           "and every readout tail's end below the top")
     save_file(readout_lens.to_tensors({i: lenses[i] for i in after}), str(tmp / readout_lens.FILE))
     return lenses, record
+
+
+def _layer_progress(say):
+    """progress(done, total) for a pass over the layers (reading them, fitting lenses): a line a quarter."""
+    t0 = time.time()
+
+    def progress(done, total):
+        if done == total or done % max(1, total // 4) == 0:
+            say(f"layers {done}/{total} ({time.time() - t0:.0f} s)")
+    return progress
 
 
 def _calibration_batches(tok_dir: Path, calibration, cfg: ExportConfig) -> list:

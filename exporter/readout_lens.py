@@ -63,23 +63,63 @@ def key(after_layer: int) -> str:
     return f"readout_lens.after_layer_{after_layer}"
 
 
-@torch.no_grad()
 def fit_model_lenses(model, batches, after_layers, ridge: float = DEFAULT_RIDGE, progress=None) -> tuple[dict, int]:
     """{after_layer: (A, b)} for each boundary in `after_layers` (EMBEDDING for the embedding),
     fitted to the final norm's output over every real token of `batches` (dicts with input_ids and
-    attention_mask, as zl_common.data.make_microbatches gives); and the number of positions used."""
-    cfg = model.config
+    attention_mask, as zl_common.data.make_microbatches gives); and the number of positions used.
+    `model`: a LlamaForCausalLM (or its LlamaModel) held whole."""
+    core = getattr(model, "model", model)
+    return fit_lenses(core, core.layers, batches, after_layers, ridge, progress)
+
+
+@torch.no_grad()
+def fit_lenses(core, layers, batches, after_layers, ridge: float = DEFAULT_RIDGE, progress=None) -> tuple[dict, int]:
+    """fit_model_lenses, one layer at a time: every batch goes through a layer before the next
+    layer is asked for, so `layers` (the decoder layers in order) may be read from disk as they
+    are iterated and dropped after (exporter/streamed_model.py: a model too large to hold in fp32).
+    `core`: the LlamaModel whose embed_tokens, rotary_emb and norm are loaded. `progress(done,
+    total)` after each layer. Each batch is cut after its last real token (padding is at the end
+    and attention causal, so the real tokens' states are the same; a short text costs its own length)."""
+    cfg = core.config
     fits = {i: LensFit(cfg.hidden_size, cfg.rms_norm_eps) for i in after_layers}
-    for n, b in enumerate(batches):
-        ids, att = torch.as_tensor(b["input_ids"]), torch.as_tensor(b["attention_mask"])
-        hs = model.model(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states
-        mask = att > 0  # hidden_states: [embedding, after layer 0, ..., final norm's output]
-        for i, fit in fits.items():
-            fit.add(hs[i + 1][mask], hs[-1][mask])
+    runs = [_LensBatch(core, b) for b in batches]
+    kept = {i: [] for i in fits}
+    if EMBEDDING in kept:
+        kept[EMBEDDING] = [r.real() for r in runs]
+    total = cfg.num_hidden_layers
+    for i, layer in enumerate(layers):
+        for r in runs:
+            r.h = layer(r.h, attention_mask=r.mask, position_embeddings=r.rope, position_ids=r.pos)
+        if i in kept:
+            kept[i] = [r.real() for r in runs]
         if progress:
-            progress(n + 1, len(batches))
+            progress(i + 1, total)
+    for n, r in enumerate(runs):
+        u = core.norm(r.h)[r.att > 0]
+        for i, fit in fits.items():
+            fit.add(kept[i][n], u)
     positions = next(iter(fits.values())).n if fits else 0
     return {i: f.solve(ridge) for i, f in fits.items()}, positions
+
+
+class _LensBatch:
+    """One calibration batch on its way up the layers: its state and what each layer reads
+    beside it (the causal + padding mask, the rotary tables, positions), as LlamaModel.forward makes them."""
+
+    def __init__(self, core, b):
+        from transformers.masking_utils import create_causal_mask
+
+        att = torch.as_tensor(b["attention_mask"])
+        cols = int(att.any(0).nonzero().max()) + 1 if att.any() else 1
+        self.att = att[:, :cols]
+        self.h = core.embed_tokens(torch.as_tensor(b["input_ids"])[:, :cols])
+        self.pos = torch.arange(cols).unsqueeze(0)
+        self.mask = create_causal_mask(config=core.config, inputs_embeds=self.h, attention_mask=self.att, cache=None,
+                                       position_ids=self.pos)
+        self.rope = core.rotary_emb(self.h, position_ids=self.pos)
+
+    def real(self) -> torch.Tensor:
+        return self.h[self.att > 0]
 
 
 def to_tensors(lenses: dict) -> dict:
