@@ -116,6 +116,86 @@ def test_plan_from_profiles_and_refused_set(profiled, small_model_dir, tmp_path,
     assert "measured at seq_len 16" in _error_line(capsys)
 
 
+def _saved_28_layer_profiles(folder, layer_s: dict, budget: int) -> None:
+    """Profiles of phones measured on a 28-layer model (calibration 1 and 7 layers) at zl-host plan's
+    default settings, fitted and saved as zl-host profile does: 60 MiB runtime, 211 MiB readout and
+    embedding, 57 MiB of weights + 3 MiB of activations a layer, 20 MiB fixed; `layer_s` per phone."""
+    from host.planning.profile import build_profile, save_profile
+
+    manifest = folder / "calibration"
+    manifest.mkdir(parents=True)
+    (manifest / "manifest.json").write_text(json.dumps({
+        "export": {"seq_len": 128, "micro_batch": 1, "loss_positions": None, "backend": "xnnpack",
+                   "base_weights": "fp32"},
+        "model": {"config": {"hidden_size": 64, "vocab_size": 512}}}))
+
+    def run(n, per):
+        return {"layers": n, "phase1_s": 0.03 + n * per / 3, "phase2_s": 0.07 + n * per * 2 / 3, "step_s": 0.0,
+                "busy_s": 0.1 + n * per, "pss_runtime_bytes": 60 * MiB,
+                "rss_peak_bytes": (60 + 211 + 211 + 20 + n * 60) * MiB,
+                "weights": {"embed": 211 * MiB, "readout": 211 * MiB, "layers": n * 57 * MiB},
+                "saved_activation_bytes": n * MiB, "link_mbit": None}
+
+    for name, per in layer_s.items():
+        save_profile(build_profile(name, {"memory_budget_bytes": budget}, {1: run(1, per), 7: run(7, per)}, manifest),
+                     folder)
+
+
+def test_plan_with_mem_limits_overrides_the_profiled_budgets(tmp_path, capsys):
+    """zl-host plan --mem-limits: the phones' budgets for this plan (the profiles say 8 GiB); the split
+    keeps every stage within them, a set too small is refused in one line saying what is missing."""
+    from .conftest import write_small_model_dir
+
+    model = str(write_small_model_dir(tmp_path / "model", layers=28))
+    profiles = tmp_path / "profiles"
+    speeds = {"a": 0.01, "b": 0.06, "c": 0.06, "d": 0.06, "e": 0.06, "f": 0.06}  # a is 6x faster
+    _saved_28_layer_profiles(profiles, speeds, 8 << 30)
+
+    def plan(devices, *extra):
+        capsys.readouterr()
+        out = tmp_path / f"plan-{len(extra)}-{devices}.json"
+        rc = main(["plan", "--devices", devices, "--profiles", str(profiles), "--model", model, "--out", str(out),
+                   *extra])
+        return rc, (json.loads(out.read_text()) if rc == 0 else None)
+
+    rc, free = plan("a,b,c,d")
+    assert rc == 0 and "mem_limits" not in free
+    layers = {s["phone"]: s["last"] - s["first"] + 1 for s in free["stages"]}
+    assert max(s["memory_bytes"] for s in free["stages"]) > 1280 * MiB  # the fast phone's share would not fit
+    for devices, limits, budget in (("a,b,c,d", "1.25GiB", 1280 * MiB), ("a,b,c,d,e,f", "1.0GiB", 1024 * MiB)):
+        rc, p = plan(devices, "--mem-limits", limits)
+        assert rc == 0
+        assert "budgets from --mem-limits" in capsys.readouterr().out
+        assert p["mem_limits"] == {d: budget for d in devices.split(",")}
+        assert p["devices"] and sorted(p["devices"]) == devices.split(",")
+        assert p["stages"][0]["first"] == 0 and p["stages"][-1]["last"] == 27
+        assert all(x["last"] + 1 == y["first"] for x, y in zip(p["stages"], p["stages"][1:]))
+        for s in p["stages"]:
+            assert s["budget_bytes"] == budget and s["memory_bytes"] <= budget
+    # one budget per phone, in --devices order: a lower one on the fast phone moves layers off it
+    rc, p = plan("a,b,c,d", "--mem-limits", "700M,1.25GiB,1.25GiB,1.25GiB")
+    assert rc == 0
+    mine = next(s for s in p["stages"] if s["phone"] == "a")
+    assert mine["budget_bytes"] == 700 * MiB and mine["memory_bytes"] <= 700 * MiB
+    assert mine["last"] - mine["first"] + 1 < layers["a"]
+    # zl-host run --plan's drift re-plan keeps the plan's budgets, not the profiles'
+    from host.cli.plan import drift_watch
+    replanned = drift_watch(p, 0.15, 4, tmp_path, print).replan({})
+    assert replanned.chunks == p["chunks"] and replanned.stages[0].budget_bytes == p["stages"][0]["budget_bytes"]
+
+    # too little for the model (4 x 291 + 211 + 28 x 60 = 3055 MiB): one line, how much is missing
+    assert plan("a,b,c,d", "--mem-limits", "700M")[0] == 2
+    line = _error_line(capsys)
+    assert "cannot hold the 28-layer model" in line and "lacks 255.0 MiB" in line and "2800.0 MiB in all" in line
+    assert "(budgets from --mem-limits 700M)" in line
+    # bad values and a wrong count: one line naming the flag and the fix
+    assert plan("a,b,c,d", "--mem-limits", "1G,2G")[0] == 2
+    assert "give one memory budget for every one of the 4 phones" in _error_line(capsys)
+    assert plan("a,b,c,d", "--mem-limits", "lots")[0] == 2
+    line = _error_line(capsys)
+    assert line.startswith("zl-host: error: --mem-limits: memory size 'lots'") and "e.g. 600M or 1.5G" in line
+
+
 def test_run_with_plan_uses_its_order_and_reports_drift(profiled, small_export, small_model_dir, tmp_path, capsys):
     """A plan for three phones (the small export's 0-0,1-1,2-2) whose predictions are 20x too
     fast: the run puts stage k on the plan's k-th phone and reports the drift."""

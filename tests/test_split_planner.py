@@ -123,3 +123,46 @@ def test_first_stage_carries_the_embedding():
     assert plan.stages[0].memory_bytes == 8 * MiB + plan.stages[0].layers * MiB
     for s in plan.stages:
         assert s.memory_bytes <= s.budget_bytes
+
+
+# a 28-layer model's shape (issue 53's numbers): per phone a 60 MiB runtime, the 211 MiB readout and
+# 20 MiB of fixed activations; 57 MiB of weights + 3 MiB of activations a layer; the embedding on stage 0
+def _phone28(name: str, budget: int, layer_s: float = 0.06) -> PhoneModel:
+    return PhoneModel(name, layer_s=layer_s, fixed_s=0.1, budget_bytes=budget, runtime_bytes=60 * MiB,
+                      readout_bytes=211 * MiB, embed_bytes=211 * MiB, layer_bytes=57 * MiB, act_fixed_bytes=20 * MiB,
+                      act_layer_bytes=3 * MiB, held_layer_bytes=MiB)
+
+
+@pytest.mark.parametrize("n, budget", [(4, 1280 * MiB), (6, 1024 * MiB)])
+def test_a_28_layer_model_on_4_phones_at_1_25_gib_and_6_at_1_gib(n, budget):
+    # one phone 6x faster than the rest: unbudgeted it would take more layers than its budget holds
+    phones = [_phone28(f"p{i}", budget, layer_s=0.01 if i == 0 else 0.06) for i in range(n)]
+    free = plan_split(28, [PhoneModel(**{**p.to_json(), "budget_bytes": None}) for p in phones])
+    assert max(s.memory_bytes for s in free.stages) > budget
+    plan = plan_split(28, phones)
+    assert plan.stages[0].first == 0 and plan.stages[-1].last == 27
+    assert all(a.last + 1 == b.first for a, b in zip(plan.stages, plan.stages[1:]))
+    assert sorted(plan.devices) == sorted(p.name for p in phones)
+    for s in plan.stages:
+        assert s.budget_bytes == budget and s.memory_bytes <= budget
+    assert plan.bottleneck_s >= free.bottleneck_s
+
+
+def test_lowering_one_phone_s_budget_moves_layers_off_it():
+    phones = [_phone28(f"p{i}", 1280 * MiB, layer_s=0.03 if i == 0 else 0.06) for i in range(4)]
+    before = {s.phone: s for s in plan_split(28, phones).stages}
+    phones[0] = PhoneModel(**{**phones[0].to_json(), "budget_bytes": 700 * MiB})
+    after = {s.phone: s for s in plan_split(28, phones).stages}
+    assert after["p0"].layers < before["p0"].layers
+    assert after["p0"].memory_bytes <= 700 * MiB < before["p0"].memory_bytes
+    assert sum(s.layers for s in after.values()) == 28
+
+
+def test_a_28_layer_model_too_big_for_the_budgets_says_how_much_is_missing():
+    # the model takes 4 x (60 + 211 + 20) + 211 + 28 x 60 = 3055 MiB on 4 phones, whatever the cut
+    with pytest.raises(InfeasibleError) as e:
+        plan_split(28, [_phone28(f"p{i}", 700 * MiB) for i in range(4)])
+    assert e.value.missing_bytes == (3055 - 2800) * MiB
+    assert "lacks 255.0 MiB" in str(e.value) and "2800.0 MiB in all" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert set(e.value.short) == {"p0", "p1", "p2", "p3"} and sum(e.value.short.values()) == 255 * MiB

@@ -55,15 +55,17 @@ def emulated_phone_args(n: int, mem_limits: list[str | None], cpu_shares: list[f
     return args
 
 
-def check_mem_limits(limits: list[str | None]) -> None:
+def check_mem_limits(limits: list[str | None], flag: str = "--mem-limit") -> list[int | None]:
+    """The limits in bytes (None where not given); a bad size is a one-line CliError naming `flag`."""
     from zl_mobile.memlimit import parse_size
 
+    out = []
     for v in limits:
-        if v is not None:
-            try:
-                parse_size(v)
-            except ValueError as e:
-                raise _cli_error()(f"--mem-limit: {e}") from None
+        try:
+            out.append(None if v is None else parse_size(v))
+        except ValueError as e:
+            raise _cli_error()(f"{flag}: {e}") from None
+    return out
 
 
 def export_settings(a) -> tuple[str, dict]:
@@ -190,14 +192,16 @@ def plan_devices(spec: str, folder: Path) -> list[str] | None:
 
 
 def make_plan(model: str, export: dict, profiles: list[dict], window_size: int, schedule: str = "zerolock",
-              link_mbit: float | None = None, scales: dict | None = None):
-    """(plan, even split's prediction, phone models) for these profiles."""
+              link_mbit: float | None = None, scales: dict | None = None, budgets: dict | None = None):
+    """(plan, even split's prediction, phone models) for these profiles; `budgets` (device -> bytes,
+    zl-host plan --mem-limits) overrides the memory budgets the profiles recorded."""
     from ..planning.profile import check_matches, frame_bytes, model_layers, phone_model
     from ..planning.split_planner import evaluate_split, even_chunks, plan_split
 
     check_matches(profiles, export)
     L = model_layers(model)
-    models = [phone_model(p, window_size, link_mbit, scale=(scales or {}).get(p["device"], 1.0)) for p in profiles]
+    models = [phone_model(p, window_size, link_mbit, budget_bytes=(budgets or {}).get(p["device"]),
+                          scale=(scales or {}).get(p["device"], 1.0)) for p in profiles]
     fb = frame_bytes(profiles[0])
     plan = plan_split(L, models, fb, schedule=schedule, window_size=window_size)
     even = evaluate_split(even_chunks(L, len(models)), models, fb, schedule, window_size)
@@ -211,20 +215,27 @@ def cmd_plan(a) -> int:
     CliError = _cli_error()
     model, export = export_settings(a)
     folder = Path(a.profiles)
+    budgets = None
     try:
         profiles = load_profiles(folder, plan_devices(a.devices, folder))
-        plan, even, _ = make_plan(model, export, profiles, a.window, a.schedule, a.link_mbit)
+        if a.mem_limits:  # in the profiles' order: --devices, else the profile files' (sorted) names
+            limits = check_mem_limits(parse_list(a.mem_limits, len(profiles), "memory budget", "--mem-limits"),
+                                      "--mem-limits")
+            budgets = {p["device"]: b for p, b in zip(profiles, limits)}
+        plan, even, _ = make_plan(model, export, profiles, a.window, a.schedule, a.link_mbit, budgets=budgets)
     except (ProfileError, ValueError) as e:
         raise CliError(str(e)) from None
     except InfeasibleError as e:
-        raise CliError(str(e)) from None
+        given = f" (budgets from --mem-limits {a.mem_limits})" if budgets else ""
+        raise CliError(f"{e}{given}") from None
     record = {"format": "zerolock-plan", "model": model, "export": export, "window_size": a.window,
               "schedule": a.schedule, "profiles": str(folder.absolute()), **plan.to_json(),
+              **({"mem_limits": budgets} if budgets else {}),
               "even": {"chunks": even.chunks, "devices": even.devices, "bottleneck_s": even.bottleneck_s}}
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2))
-    out_console.print(plan_table(plan, "planned split"))
+    out_console.print(plan_table(plan, "planned split" + (" (budgets from --mem-limits)" if budgets else "")))
     out_console.print(f"bottleneck: stage {plan.bottleneck_stage} ({plan.stages[plan.bottleneck_stage].phone}) "
                       f"{_ms(plan.bottleneck_s)} per micro-batch; ideal (layers cut anywhere) {_ms(plan.ideal_s)} "
                       f"({plan.bottleneck_s / plan.ideal_s:.2f}x); even split {even.chunks} on "
@@ -300,6 +311,8 @@ def add_parsers(sub) -> None:
     q.add_argument("--schedule", choices=["zerolock", "gpipe", "1f1b", "pipedream"], default="zerolock",
                    help="what the stages hold (held activations)")
     q.add_argument("--link-mbit", type=float, default=None, help="link rate to plan with instead of the measured one")
+    q.add_argument("--mem-limits", default=None, help="each phone's memory budget to plan with instead of its profile's "
+                                                      "(e.g. 1.25GiB, 900M): one for all, or A,B,... in --devices order")
     q.add_argument("--out", default="plan.json", help="the plan: zl-export --chunks PLAN, zl-host run --plan PLAN")
     q.set_defaults(func=cmd_plan)
 
@@ -343,7 +356,7 @@ def drift_watch(plan: dict, margin: float, window_size: int, run_dir: Path, say)
 
     def replan(scales):
         return make_plan(plan["model"], plan["export"], profiles, window_size, plan.get("schedule", "zerolock"),
-                         scales=scales)[0]
+                         scales=scales, budgets=plan.get("mem_limits"))[0]
 
     def report(rec):
         with open(Path(run_dir) / "drift.jsonl", "a") as f:
