@@ -309,7 +309,7 @@ def test_kotlin_phone_mem_limit_kills_and_bad_size_is_refused(built, tmp_path):
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
     assert r.returncode == KILLED_EXIT_CODE, r.stderr
     line = [ln for ln in r.stderr.splitlines() if "killed" in ln]
-    assert len(line) == 1 and "kotlin-phone kt-mem: killed: resident memory" in line[0], r.stderr
+    assert len(line) == 1 and "kotlin-phone kt-mem: killed: memory (PSS)" in line[0], r.stderr
     assert "passed --mem-limit 24.0 MiB (as a phone's low-memory killer would)" in line[0]
 
     bad = java_command("kt-bad", tmp_path / "bad", "ef" * 32, 0, "127.0.0.1", ["--mem-limit", "12X"])

@@ -1,9 +1,11 @@
 """An emulated phone's memory limit (zl-phone --mem-limit) and the budget a device reports.
 
 A phone has less memory to give than it has: Android kills an app that takes too much. An
-emulated phone with --mem-limit behaves the same way: a watchdog reads its resident set a few
-times a second and ends the process (exit 137, as a kill would) with one line saying why when it
-passes the limit. The limit is the budget the phone reports in HELLO (`memory_budget_bytes`);
+emulated phone with --mem-limit behaves the same way: a watchdog reads its memory a few times a
+second and ends the process (exit 137, as a kill would) with one line saying why when it passes
+the limit. Memory is PSS, what Android counts an app's memory in (charged_bytes): not RSS, which
+counts a weights file's page once per mapping, and ExecuTorch maps a chunk's .ptd once per method
+(a 3B-shape stage: RSS ~2x its weights). The limit is the budget the phone reports in HELLO (`memory_budget_bytes`);
 without one the budget is what the kernel says is available (MemAvailable), as Android's app
 reports its available memory."""
 from __future__ import annotations
@@ -47,6 +49,21 @@ def rss_bytes() -> int:
     return rss
 
 
+def charged_bytes() -> int:
+    """What the limit charges this process: its PSS now, plus whatever the kernel's peak mark saw
+    above the resident set now (rss_bytes' mark: a peak inside a runtime call, where this thread
+    cannot run, is the arenas' anonymous memory, which PSS counts whole). rss_bytes where PSS
+    cannot be read."""
+    from .telemetry import read_pss_bytes
+
+    pss = read_pss_bytes()
+    if pss is None:
+        return rss_bytes()
+    with open("/proc/self/statm") as f:
+        rss_now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return pss + max(0, rss_bytes() - rss_now)
+
+
 def available_bytes() -> int | None:
     """MemAvailable from /proc/meminfo; None where unreadable."""
     try:
@@ -59,7 +76,7 @@ def available_bytes() -> int | None:
 
 
 class MemoryLimit:
-    """The watchdog: start() it once; it ends the process when RSS passes `limit_bytes`."""
+    """The watchdog: start() it once; it ends the process when its memory (charged_bytes) passes `limit_bytes`."""
 
     def __init__(self, limit_bytes: int, name: str = "phone", period_s: float = 0.05):
         self.limit_bytes = limit_bytes
@@ -73,16 +90,18 @@ class MemoryLimit:
 
     def _watch(self) -> None:
         while True:
-            rss = rss_bytes()
-            self.peak = max(self.peak, rss)
-            if rss > self.limit_bytes:
-                msg = (f"zl-phone {self.name}: killed: resident memory {rss / 2**20:.1f} MiB passed --mem-limit "
+            t0 = time.monotonic()
+            used = charged_bytes()
+            self.peak = max(self.peak, used)
+            if used > self.limit_bytes:
+                msg = (f"zl-phone {self.name}: killed: memory (PSS) {used / 2**20:.1f} MiB passed --mem-limit "
                        f"{self.limit_bytes / 2**20:.1f} MiB (as a phone's low-memory killer would); give the stage "
                        "fewer layers (zl-host plan) or the phone a larger limit")
                 log.error(msg)
                 print(msg, file=sys.stderr, flush=True)
                 os._exit(KILLED_EXIT_CODE)
-            time.sleep(self.period_s)
+            # reading PSS walks the page tables (ms with a large weights file mapped): at most ~5% of a core
+            time.sleep(max(self.period_s, 20 * (time.monotonic() - t0)))
 
 
 def budget_bytes(limit: MemoryLimit | None) -> int | None:

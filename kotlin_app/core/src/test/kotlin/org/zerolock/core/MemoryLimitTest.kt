@@ -34,13 +34,22 @@ class MemoryLimitTest {
         status.writeText("VmHWM:\t  100 kB\nVmRSS:\t  1024 kB\n")
         assertEquals(1024L * 1024, MemoryLimit.rssBytes(status))
         assertNull(MemoryLimit.rssBytes(File(dir, "missing")))
+        // charged: PSS, plus the peak mark above the resident set now (a peak between two readings)
+        File(dir, "smaps_rollup").writeText("00400000-7fff [rollup]\nRss:  3000 kB\nPss:   700 kB\n")
+        status.writeText("VmHWM:\t  1500 kB\nVmRSS:\t  1024 kB\n")
+        assertEquals((700L + 476) * 1024, MemoryLimit.chargedBytes(dir))
+        status.writeText("VmHWM:\t  1024 kB\nVmRSS:\t  1024 kB\n")
+        assertEquals(700L * 1024, MemoryLimit.chargedBytes(dir))
+        File(dir, "smaps_rollup").delete()
+        assertEquals(1024L * 1024, MemoryLimit.chargedBytes(dir)) // no PSS: the resident set
+        assertNull(MemoryLimit.chargedBytes(File(dir, "missing")))
         val meminfo = File(dir, "meminfo").apply { writeText("MemTotal:  8000 kB\nMemFree:  10 kB\nMemAvailable:  5000 kB\n") }
         assertEquals(5000L * 1024, MemoryLimit.availableBytes(meminfo))
         assertEquals(600L shl 20, MemoryLimit.budgetBytes(MemoryLimit(600L shl 20)))
         // this process: a real reading, and the budget without a limit is what the kernel says is available
         assertTrue(MemoryLimit.rssBytes()!! > 1 shl 20)
         assertTrue(MemoryLimit.budgetBytes(null)!! > 0)
-        assertEquals("kotlin-phone p: killed: resident memory 30.5 MiB passed --mem-limit 20.0 MiB (as a phone's low-memory " +
+        assertEquals("kotlin-phone p: killed: memory (PSS) 30.5 MiB passed --mem-limit 20.0 MiB (as a phone's low-memory " +
             "killer would); give the stage fewer layers (zl-host plan) or the phone a larger limit",
             MemoryLimit.killedMessage("p", 32_000_000L, 20L shl 20))
         dir.deleteRecursively()
