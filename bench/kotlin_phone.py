@@ -15,7 +15,7 @@ throughput (samples/s over the windows after the first).
 
 Usage:
   python bench/kotlin_phone.py --program EXPORT [--data FILE.jsonl] [--windows 4] [--window 2]
-        [--rounds 2] [--cpu-share F] [--out bench/results/kotlin_phone.json]
+        [--rounds 2] [--cpu-share F] [--mem-limit SIZE] [--out bench/results/kotlin_phone.json]
 """
 from __future__ import annotations
 
@@ -33,13 +33,15 @@ import bench.common  # noqa: E402,F401  (quiet libraries, SIGTERM unwinds)
 MiB = 1 << 20
 
 
-def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int, root: Path, shares) -> dict:
+def one_run(program: Path, mbs, windows: int, window: int, runtime: str, n: int, root: Path, shares,
+            mem_limit: str | None = None) -> dict:
     from host.phones.emulate import start_phones
     from host.run.coordinator import Coordinator
     from host.run.settings import RunSettings
     from zl_mobile.telemetry import read_pss_bytes
 
-    phones = start_phones(n, root / "phones", prefix=f"{runtime[0]}", runtimes=[runtime] * n, cpu_shares=shares)
+    phones = start_phones(n, root / "phones", prefix=f"{runtime[0]}", runtimes=[runtime] * n, cpu_shares=shares,
+                          extra_args=["--mem-limit", mem_limit] if mem_limit else None)
     peak_pss, done = {p.name: 0 for p in phones}, threading.Event()
 
     def sample():  # from outside: a thread in a Python phone would wait for ExecuTorch's calls
@@ -98,6 +100,7 @@ def main(argv=None) -> int:
     ap.add_argument("--window", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cpu-share", type=float, default=None, help="hold every phone to this share of one core")
+    ap.add_argument("--mem-limit", default=None, help="every phone's memory limit (zl-phone --mem-limit), e.g. 1.25G")
     ap.add_argument("--out", type=Path, default=Path("bench/results/kotlin_phone.json"))
     ap.add_argument("--work", type=Path, default=Path("/tmp/zl-bench-kotlin"))
     a = ap.parse_args(argv)
@@ -120,7 +123,8 @@ def main(argv=None) -> int:
     for r in range(a.rounds):
         for runtime in ("python", "kotlin"):
             t = time.time()
-            res = one_run(a.program, mbs, a.windows, a.window, runtime, n, a.work / f"{runtime}-{r}-{int(t)}", shares)
+            res = one_run(a.program, mbs, a.windows, a.window, runtime, n, a.work / f"{runtime}-{r}-{int(t)}", shares,
+                          a.mem_limit)
             runs[runtime].append(res)
             print(f"round {r} {runtime}: " + ", ".join(
                 f"stage {k} step {s['step_s'] * 1e3:.1f} ms peak {s['peak_pss_mib']:.0f} MiB"
@@ -132,7 +136,7 @@ def main(argv=None) -> int:
         return statistics.median(vals) if vals else None
 
     summary = {"program": str(a.program), "stages": n, "micro_batch": ex["micro_batch"], "seq_len": ex["seq_len"],
-               "rounds": a.rounds, "cpu_share": a.cpu_share, "per_stage": {}, "runs": runs}
+               "rounds": a.rounds, "cpu_share": a.cpu_share, "mem_limit": a.mem_limit, "per_stage": {}, "runs": runs}
     print(f"\n{'stage':>5} {'step py ms':>10} {'step kt ms':>10} {'ratio':>6} {'min ratio':>9} {'peak py':>8} {'peak kt':>8} "
           f"{'floor py':>8} {'floor kt':>8} {'over py':>8} {'over kt':>8} {'ratio':>6}")
     for k in range(n):

@@ -27,6 +27,8 @@ cast kernel is scalar), int4's nibble split (one floor for both halves, subtract
 scales and the GEMMs."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -34,8 +36,23 @@ import torch.nn.functional as F
 from .config import BASE_WEIGHTS, DECODE_BLOCK_WEIGHTS
 
 GROUP = 32  # int4: weights per scale (a Q4_0 block)
+# rows quantized at once: each row is quantized alone, so blocks give the same values, with fp32
+# temporaries of one block (Llama-3.2-3B's head, 128,256 x 3,072: ~50 MiB each, not 1.5 GiB)
+QUANTIZE_ROWS = 4096
 
 
+def _by_row_blocks(quantize):
+    """`quantize` (w [rows, cols] -> per-row results) applied QUANTIZE_ROWS rows at a time, joined."""
+    @functools.wraps(quantize)
+    def blocked(w: torch.Tensor):
+        if w.shape[0] <= QUANTIZE_ROWS:
+            return quantize(w)
+        parts = [quantize(w[i:i + QUANTIZE_ROWS]) for i in range(0, w.shape[0], QUANTIZE_ROWS)]
+        return tuple(torch.cat(p) for p in zip(*parts))
+    return blocked
+
+
+@_by_row_blocks
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [rows, cols] float -> (q int8 [rows, cols], scale fp32 [rows]) with w ~= q * scale[:, None]."""
     scale = (w.detach().abs().amax(dim=1).float() / 127.0).clamp(min=torch.finfo(torch.float32).tiny)
@@ -43,6 +60,7 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+@_by_row_blocks
 def quantize_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """w [rows, cols] float -> (packed int8 [rows, cols / 2], scale fp16 [rows, cols / 32]): each
     row as Q4_0 blocks of 32 columns. Per block: d = (the entry of largest magnitude, signed) / -8,

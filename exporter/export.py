@@ -444,13 +444,16 @@ def _readout_lenses(after, given, fitted, positions, calibration, tmp: Path):
     return lenses, record
 
 
-def _layer_progress(say):
-    """progress(done, total) for a pass over the layers (reading them, fitting lenses): a line a quarter."""
-    t0 = time.time()
+def _layer_progress(say, every_s: float = 60.0):
+    """progress(done, total) for a pass over the layers (reading them, fitting lenses): a line a
+    quarter, and one a minute where layers are slow (a 3B model's lens fit: ~20 s a layer)."""
+    t0 = last = time.time()
 
     def progress(done, total):
-        if done == total or done % max(1, total // 4) == 0:
-            say(f"layers {done}/{total} ({time.time() - t0:.0f} s)")
+        nonlocal last
+        if done == total or done % max(1, total // 4) == 0 or time.time() - last >= every_s:
+            last = time.time()
+            say(f"layers {done}/{total} ({last - t0:.0f} s)")
     return progress
 
 

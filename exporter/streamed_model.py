@@ -22,14 +22,18 @@ _FIX = "check that config.json and the weights belong together, or fetch the mod
 
 
 class _WeightFiles:
-    """Which safetensors file holds each tensor (the index when the model is sharded), opened lazily."""
+    """Which safetensors file holds each tensor. Each read opens its file anew: safetensors maps
+    the file, and every page a read touched would stay in this process's resident set for as long
+    as the file stays open (Llama-3.2-3B: +200 MiB a layer, all 6 GiB of the file by the end)."""
 
     def __init__(self, path: Path):
         from safetensors import safe_open
 
         self.path = Path(path)
-        self._open = {f.name: safe_open(str(f), framework="pt") for f in sorted(self.path.glob("*.safetensors"))}
-        self.where = {k: name for name, st in self._open.items() for k in st.keys()}
+        self.where = {}
+        for f in sorted(self.path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                self.where.update((k, f) for k in st.keys())
 
     def _key(self, name: str) -> str | None:
         # a checkpoint of the bare LlamaModel names its tensors without the "model." prefix
@@ -42,7 +46,10 @@ class _WeightFiles:
         key = self._key(name)
         if key is None:
             raise ModelDirError(f"{self.path}: no tensor {name} in its *.safetensors: {_FIX}")
-        t = self._open[self.where[key]].get_tensor(key)
+        from safetensors import safe_open
+
+        with safe_open(str(self.where[key]), framework="pt") as st:
+            t = st.get_tensor(key)
         if tuple(t.shape) != tuple(shape):
             raise ModelDirError(f"{self.path}: {name} is {tuple(t.shape)} in the weights, config.json makes it "
                                 f"{tuple(shape)}: {_FIX}")

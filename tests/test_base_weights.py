@@ -353,3 +353,15 @@ def test_quantized_partitioners_take_only_the_ops_asked_for(ops):
     taken = {c.__class__.__mro__[1 if c.__class__.__name__.startswith(("Frozen", "Live")) else 0].__name__
              for p in xnnpack_partitioners(ops, quantized_base=True) for c in p.target_partitioner_configs.values()}
     assert taken == set(XNNPACK_CONFIGS[ops]) | set(DECODE_CONFIGS)
+
+
+@pytest.mark.parametrize("name", ["quantize_rows", "quantize_groups"])
+def test_large_weights_are_quantized_in_row_blocks_to_the_same_values(name):
+    """A weight with more rows than QUANTIZE_ROWS (a 3B model's head) is quantized a block of rows at
+    a time, so its temporaries stay small: the stored values are those of quantizing it whole."""
+    from exporter import base_weights
+
+    w = torch.randn(2 * base_weights.QUANTIZE_ROWS + 5, 64, generator=torch.Generator().manual_seed(3))
+    blocked, whole = getattr(base_weights, name), getattr(base_weights, name).__wrapped__
+    for a, b in zip(blocked(w), whole(w)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
