@@ -61,8 +61,9 @@ def run(a) -> dict:
                 peak_pss, peak_rss = max(peak_pss, mem[0]), max(peak_rss, mem[1])
             time.sleep(a.interval)
     wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"zl-export failed (exit {proc.returncode}): see {a.log}")
+    if proc.returncode != 0:  # the peaks are the finding then (a worker the kernel's OOM killer ended)
+        raise SystemExit(f"zl-export failed (exit {proc.returncode}) after {wall:.0f} s, peak PSS {gib(peak_pss)} "
+                         f"(process tree), largest RSS {gib(peak_rss)}: see {a.log}")
     out = Path(a.out)
     m = json.loads((out / "manifest.json").read_text())
     chunks = [{"layers": c["layers"], "export_s": c["export_seconds"],
