@@ -5,9 +5,9 @@ emulated phone with --mem-limit behaves the same way: a watchdog reads its memor
 second and ends the process (exit 137, as a kill would) with one line saying why when it passes
 the limit. Memory is PSS, what Android counts an app's memory in (charged_bytes): not RSS, which
 counts a weights file's page once per mapping, and ExecuTorch maps a chunk's .ptd once per method
-(TinyLlama shape: RSS 2.6 GiB of a 1.46 GiB .ptd, PSS 1.36 GiB). The limit is the budget the phone reports in HELLO (`memory_budget_bytes`);
-without one the budget is what the kernel says is available (MemAvailable), as Android's app
-reports its available memory."""
+(TinyLlama shape: RSS 2.6 GiB of a 1.46 GiB .ptd, PSS 1.36 GiB). The limit is the budget the
+phone reports in HELLO (`memory_budget_bytes`); without one the budget is what the kernel says is
+available (MemAvailable), as Android's app reports its available memory."""
 from __future__ import annotations
 
 import logging
