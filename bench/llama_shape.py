@@ -128,6 +128,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-gib", type=float, default=2.0, help="the most a shard holds (and the writer at once)")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers of the same widths (to probe one chunk's "
+                   "export quickly)")
     a = p.parse_args(argv)
     from zl_common.quiet import quiet_libraries
 
@@ -135,8 +137,8 @@ def main(argv=None) -> int:
     if a.out.exists() and any(a.out.iterdir()):
         print(f"{a.out} is not empty: give a new --out (nothing was written)", file=sys.stderr)
         return 2
-    cfg = shape_config(a.shape)
-    print(f"writing {a.shape} (random bf16) to {a.out}")
+    cfg = shape_config(a.shape, **({"num_hidden_layers": a.layers} if a.layers else {}))
+    print(f"writing {a.shape}{f' ({a.layers} layers)' if a.layers else ''} (random bf16) to {a.out}")
     r = write_shape(a.out, cfg, a.seed, int(a.shard_gib * 2**30))
     print(f"{r['tensors']} tensors, {r['bytes'] / 2**30:.2f} GiB in {r['shards']} shard(s), {r['seconds']:.0f} s, "
           f"peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")

@@ -8,6 +8,8 @@ ratios to fp32.
 
   python bench/quantized_export_speed.py --model smollm2 --chunks 0-9,10-19,20-29 --seq-len 64 --loss-positions 8
   python bench/quantized_export_speed.py --model tiny --bases int4:torch-sort,int4 --out bench/results/int4_sort.json
+  python bench/quantized_export_speed.py --model smollm2 --chunks 0-9,10-19,20-29 --seq-len 64 --loss-positions 8 \
+      --bases fp32,int4:sort-each,int4
 Results: bench/results/quantized_export_speed.json.
 """
 from __future__ import annotations
@@ -39,7 +41,12 @@ def copying_sort(gm):
     g = torch_sort(CodeFree(gm)).graph
     gm._graph, g.owning_module = g, gm
 
-lower.sort_partitions_once = functools.partial(partition_sort.sort_partitions_once, sort=copying_sort)
+def sort_each(gm):  # the in-place sort after every partition (what zl-export did before it checked the edges)
+    partition_sort.sort_in_place(gm.graph)
+
+lower.sort_partitions_once = functools.partial(partition_sort.sort_partitions_once,
+                                               sort=sort_each if "sort-each" in sys.argv[1] else copying_sort)
+sys.argv.pop(1)
 from exporter.cli import main
 sys.argv[0] = "zl-export"
 sys.exit(main())
@@ -48,7 +55,7 @@ sys.exit(main())
 
 def export(variant: str, a, out: Path) -> dict:
     base, _, how = variant.partition(":")
-    entry = ["-c", TORCH_SORT] if how == "torch-sort" else ["-m", "exporter.cli"]
+    entry = ["-c", TORCH_SORT, how] if how in ("torch-sort", "sort-each") else ["-m", "exporter.cli"]
     shutil.rmtree(out, ignore_errors=True)
     return timed_export(entry, a, out, ["--base-weights", base], what=variant)
 
@@ -60,7 +67,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--loss-positions", type=int, default=None)
     p.add_argument("--bases", default="fp32,int4", help="the first is the reference; BASE:torch-sort exports "
-                   "BASE with torch's copying sort after each partition (before exporter/partition_sort.py)")
+                   "BASE with torch's copying sort after each partition (before exporter/partition_sort.py), "
+                   "BASE:sort-each with the in-place sort after each partition (before the forward-edge check)")
     p.add_argument("--reps", type=int, default=1, help="export rounds (ABBA order)")
     p.add_argument("--work", type=Path, default=Path("/tmp/zl_bench_quantized_export"))
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "quantized_export_speed.json")

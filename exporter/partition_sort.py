@@ -1,15 +1,18 @@
-"""Sort the graph in place after each partition, and regenerate its code once per pass.
+"""Keep the graph in order after each partition without re-sorting all of it, and regenerate its
+code once per pass.
 
 When ExecuTorch carves a delegate's nodes out of a method (backend_api's
 _create_partitions_in_graph_module), it re-sorts the whole graph after every partition
-(torch's `legalize_graph`): a copy of every node into a new graph, then assigning that graph
-regenerates the GraphModule's Python code. Both are O(partitions x nodes): an int4 base lowers
-one delegate per decode op, ~1,900 for the tiny model, and the copies alone took 43% of its
-export (8.3 million node copies). Here the same sort (the same queue discipline, so the same
-order) moves the existing nodes into place instead of copying them, and rebuilds each node's
-users in the order the copy would have made them, so every later sort sees the graph it would
-have seen; the code is regenerated once per graph module at the end. The programs' bytes are
-unchanged (tests/test_lowering_cache.py)."""
+(torch's `legalize_graph`: a copy of every node into a new graph, then the GraphModule's Python
+code regenerated). That is O(partitions x nodes): an int4 base lowers one delegate per decode op,
+~1,900 for the tiny model and 5,284 in one phase of a 3B chunk, where sorting was 66% of a
+67-minute lowering. Fusing a partition changes only the edges into and out of its new call node,
+which torch places after the partition's last output: when those edges still point forward (always
+for a one-node partition, which is what a quantized base's GEMMs and decodes are) the graph is
+still in order and nothing moves. Otherwise the whole graph is sorted, in place (torch's queue
+discipline, moving nodes rather than copying them). Each pass then ends with one breadth-first
+sort of each method (sort_methods), the order torch's last sort of the pass gave before and that
+the memory plans were measured with; the code is regenerated once per graph module."""
 from __future__ import annotations
 
 import collections
@@ -20,32 +23,65 @@ import os
 
 @contextlib.contextmanager
 def sort_partitions_once(sort=None):
-    """`sort(gm)`: how each partition's graph module is re-sorted (default: sort_in_place on its graph;
-    bench/quantized_export_speed.py passes torch's copying sort as its "before")."""
+    """`sort(gm)`: sort after every partition with this (bench/quantized_export_speed.py passes
+    torch's copying sort as its "before"); default: only where a fused partition left the graph out
+    of order (sort_in_place), the caller sorting each method once at the end (sort_methods)."""
     if os.environ.get("ZL_LOWERING_CACHE") == "off":  # bench/export_speed.py's "before"
         yield
         return
     import torch
     from executorch.exir import lowered_backend_module as lbm
 
-    original = lbm.legalize_graph
+    original_sort, original_insert = lbm.legalize_graph, lbm.insert_subgm
     stale: dict[int, torch.fx.GraphModule] = {}
+    fused: dict[int, torch.fx.Node] = {}  # graph module -> the call node of the partition fused last
+
+    def insert_subgm(gm, sub_gm, orig_inputs, orig_outputs, insertion_point=None):
+        if insertion_point is None and orig_outputs:
+            insertion_point = max(orig_outputs)  # the last output in graph order, as torch's scan from the end finds it
+        gm = original_insert(gm, sub_gm, orig_inputs, orig_outputs, insertion_point)
+        fused[id(gm)] = insertion_point.next
+        return gm
 
     def legalize_graph(gm):
-        if sort is None:
-            sort_in_place(gm.graph)
-        else:
+        call = fused.pop(id(gm), None)
+        if sort is not None:
             sort(gm)
+        elif call is None or not _edges_point_forward(call):
+            sort_in_place(gm.graph)
         stale[id(gm)] = gm
         return gm
 
-    lbm.legalize_graph = legalize_graph
+    lbm.legalize_graph, lbm.insert_subgm = legalize_graph, insert_subgm
     try:
         yield
     finally:
-        lbm.legalize_graph = original
+        lbm.legalize_graph, lbm.insert_subgm = original_sort, original_insert
         for gm in stale.values():
             gm.recompile()
+
+
+def _edges_point_forward(call) -> bool:
+    """Whether a fused partition's call node comes after its inputs and before every user of its
+    outputs (torch.fx keeps each node's position as a comparable key: O(edges), not O(graph))."""
+    import operator
+
+    if any(not inp < call for inp in call._input_nodes):
+        return False
+    for out in call.users:  # the getitems torch adds just after the call, then the outputs' users
+        if not call < out:
+            return False
+        if out.target is operator.getitem and any(not out < user for user in out.users):
+            return False
+    return True
+
+
+def sort_methods(edge, names) -> None:
+    """One breadth-first sort of each named method of an EdgeProgramManager (after a partitioning pass)."""
+    for name in names:
+        ep = edge.exported_program(name)
+        sort_in_place(ep.graph)
+        ep.graph_module.recompile()
 
 
 def sort_in_place(graph) -> None:
