@@ -16,6 +16,7 @@ from .graph_passes import (
     weight_only_nodes,
 )
 from .lowering_cache import PreprocessCache, cached_xnnpack_preprocess
+from .partition_dependencies import walked_dependencies
 from .partition_sort import sort_methods, sort_partitions_once
 from .redundant_decompositions import skip_redundant_decompositions
 from .two_phase import SplitResult, strip_markers
@@ -173,7 +174,7 @@ def lower_two_phase(split: SplitResult, backend: str, data_tag: str, constant_me
     edge_cfg = EdgeCompileConfig(_check_ir_validity=True)
     if backend == "xnnpack":
         first, *later = xnnpack_partitioners(xnnpack_ops, quantized_base)
-        with cached_xnnpack_preprocess(cache), skip_redundant_decompositions():
+        with cached_xnnpack_preprocess(cache), skip_redundant_decompositions(), walked_dependencies():
             with sort_partitions_once():
                 edge = to_edge_transform_and_lower(methods, partitioner=[first], compile_config=edge_cfg,
                                                    constant_methods=constant_methods)

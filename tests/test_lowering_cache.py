@@ -93,10 +93,13 @@ def test_redundant_decompositions_are_skipped_and_needed_ones_run():
 
 def test_sorting_only_out_of_order_partitions_gives_the_same_program(small_model_dir, monkeypatch):
     """exporter/partition_sort.py sorts the graph only where a fused partition left it out of order,
-    and each method once per pass: the chunk's programs run the same instructions on the same values
-    with the same memory plans as when torch's sort runs after every partition (the delegates' payloads
-    differ at most in the debug handles XNNPACK records, which number nodes by position). On an int4
-    base: its GEMMs and decode ops are one delegate each, so the graph was sorted hundreds of times."""
+    and each method once per pass, and exporter/partition_dependencies.py lets the partitioners walk
+    the graph instead of holding every node's transitive dependencies: the chunk's programs run the
+    same instructions on the same values with the same memory plans as when torch's sort runs after
+    every partition on ExecuTorch's dependency sets (the delegates' payloads differ at most in the
+    debug handles XNNPACK records, which number nodes by position). On an int4 base: its GEMMs and
+    decode ops are one delegate each, so the graph was sorted hundreds of times."""
+    import contextlib
     import functools
 
     from executorch.exir._serialize._program import deserialize_pte_binary
@@ -127,6 +130,7 @@ def test_sorting_only_out_of_order_partitions_gives_the_same_program(small_model
     program, few = lowered()
     monkeypatch.setattr(lower, "sort_partitions_once",
                         functools.partial(partition_sort.sort_partitions_once, sort=lambda gm: in_place(gm.graph)))
+    monkeypatch.setattr(lower, "walked_dependencies", contextlib.nullcontext)
     every, _ = lowered()
     partitions = sum(len(plan.delegates) for plan in every.execution_plan)
     assert partitions > 300 and few < partitions / 5, (few, partitions)
