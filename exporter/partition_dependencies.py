@@ -12,7 +12,13 @@ yielding as it goes. torch's is built and never read (the group partitioner repl
 propose_partitions does not call torch's); the group partitioner's is read only in
 `_can_merge_partitions`, as `any(node in the merged partition for node in downstreams_of(user))`
 right before `validate_partition` walks the same paths, so the partitions are the ones the sets
-gave (tests/test_lowering_cache.py compares the programs' bytes)."""
+gave (tests/test_lowering_cache.py compares the programs' bytes).
+
+Also quadratic at that size: torch's `_is_node_supported` rebuilds the dict of every submodule of
+the graph module for each node it asks about, and by the last XNNPACK pass a 3B chunk's graph
+module holds thousands of lowered delegates (88% of a 7-layer chunk's time in that pass went to
+`named_modules`). The dict is built once per partitioner while the graph module's submodules stay
+the same."""
 from __future__ import annotations
 
 import contextlib
@@ -47,18 +53,31 @@ def _walk(node, next_nodes):
         stack.extend(next_nodes(n))
 
 
+def _is_node_supported(self, node) -> bool:
+    """torch's CapabilityBasedPartitioner._is_node_supported, its submodule dict built once."""
+    modules = self.graph_module._modules
+    cached = getattr(self, "_zl_submodules", None)
+    if cached is None or cached[0] != len(modules):
+        cached = self._zl_submodules = (len(modules), dict(self.graph_module.named_modules()))
+    return self.operator_support.is_node_supported(cached[1], node)
+
+
 @contextlib.contextmanager
 def walked_dependencies():
-    """Inside: torch's and ExecuTorch's partitioners get WalkedDependencies."""
+    """Inside: torch's and ExecuTorch's partitioners get WalkedDependencies, and ask about each node
+    with one dict of the graph module's submodules."""
     from executorch.exir.backend.canonical_partitioners import group_partitioner
     from torch.fx.passes.infra import partitioner
 
     modules = (partitioner, group_partitioner)
     originals = [m._DependencyViewer for m in modules]
+    asks = partitioner.CapabilityBasedPartitioner._is_node_supported
     for m in modules:
         m._DependencyViewer = WalkedDependencies
+    partitioner.CapabilityBasedPartitioner._is_node_supported = _is_node_supported
     try:
         yield
     finally:
         for m, original in zip(modules, originals):
             m._DependencyViewer = original
+        partitioner.CapabilityBasedPartitioner._is_node_supported = asks
