@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
+import operator
 import os
 
 
@@ -64,8 +65,6 @@ def sort_partitions_once(sort=None):
 def _edges_point_forward(call) -> bool:
     """Whether a fused partition's call node comes after its inputs and before every user of its
     outputs (torch.fx keeps each node's position as a comparable key: O(edges), not O(graph))."""
-    import operator
-
     if any(not inp < call for inp in call._input_nodes):
         return False
     for out in call.users:  # the getitems torch adds just after the call, then the outputs' users
